@@ -1,0 +1,262 @@
+"""The one place that knows Keras 3 from tf-keras (Keras 2).
+
+The flavour is chosen once, at import, the way TensorFlow chooses it:
+`TF_USE_LEGACY_KERAS=1` selects tf-keras, anything else Keras 3. Every other
+module imports `keras` and the flavour-specific helpers from here; nothing else
+imports `tf_keras`.
+
+Overrides of Keras internals live here too, each small and each naming the
+upstream bug it works around.
+"""
+
+import os
+
+import tensorflow as tf
+
+IS_LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in (
+    "1",
+    "true",
+    "yes",
+)
+
+if IS_LEGACY:
+    import tf_keras as keras
+    from tf_keras.src.engine import data_adapter as _data_adapter
+    from tf_keras.src.engine import training as _training
+    from tf_keras.src.engine.functional import Functional
+
+    unpack_x_y_sample_weight = _data_adapter.unpack_x_y_sample_weight
+    functional_init_arguments = _training.is_functional_model_init_params
+else:
+    import keras
+    from keras.src.losses import loss as _loss_module
+    from keras.src.models import model as _model_module
+    from keras.src.models.functional import Functional
+    from keras.src.trainers.data_adapters import (
+        data_adapter_utils as _data_adapter_utils,
+    )
+
+    unpack_x_y_sample_weight = _data_adapter_utils.unpack_x_y_sample_weight
+    functional_init_arguments = _model_module.functional_init_arguments
+
+FLAVOUR = "tf-keras" if IS_LEGACY else "keras3"
+KERAS_VERSION = keras.__version__
+
+
+def register_serializable(name):
+    """`register_keras_serializable` under the `keras_hetero` package."""
+    return keras.saving.register_keras_serializable(
+        package="keras_hetero", name=name
+    )
+
+
+def init_functional(model, args, kwargs):
+    """Initialises `model`, whose class already derives from `Functional`.
+
+    `keras.Model.__init__` would "inject" `Functional` into the bases of every
+    class above the instance's, i.e. rewrite `HeteroModel` itself, after which
+    subclass-style `HeteroModel`s break. Our functional variant class already
+    has `Functional` in its bases, so we run the initialisers directly.
+    """
+    if not IS_LEGACY:
+        _model_module.Trainer.__init__(model)
+    Functional.__init__(model, *args, **kwargs)
+
+
+def model_strategy(model):
+    """The strategy `model` was created under, or None."""
+    if IS_LEGACY:
+        return model._distribution_strategy
+    return model._distribute_strategy
+
+
+def unscaled_mean_loss(model, x, y, y_pred, sample_weight, training):
+    """This replica's mean loss over its own rows, regularisers included.
+
+    Both flavours divide the compiled loss and the regularisation losses by
+    `num_replicas_in_sync` so that a SUM across replicas gives the mean of
+    per-replica means. We undo that here; the caller re-weights by rows.
+    tf-keras also updates its `loss` tracker inside `compute_loss`; for Keras 3
+    we update `_loss_tracker` the way its own `train_step` does.
+    """
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    if IS_LEGACY:
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if num_replicas > 1:
+            loss = loss * tf.cast(num_replicas, loss.dtype)
+        return loss
+    loss = model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+    loss = _loss_module.unscale_loss_for_distribution(loss)
+    model._loss_tracker.update_state(loss, sample_weight=rows)
+    return loss
+
+
+def update_metrics(model, x, y, y_pred, sample_weight):
+    """Updates the compiled metrics with this replica's rows."""
+    if IS_LEGACY:
+        model.compiled_metrics.update_state(y, y_pred, sample_weight)
+    else:
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _already_aggregated(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def skip_optimizer_all_reduce(optimizer):
+    """Makes this Keras 3 optimizer instance apply gradients as given.
+
+    Keras 3's TF optimizer always SUM-all-reduces gradients in replica context
+    (`TFOptimizer._all_reduce_sum_gradients`, no opt-out flag). HeteroModel's
+    gradients are already aggregated (and clipped after aggregation), so the
+    optimizer it compiles with must not sum them again. The override is on
+    this instance only and is idempotent. (A context manager around each call
+    is not enough: MirroredStrategy traces replicas in parallel threads.)
+    """
+    if IS_LEGACY:
+        return
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not hasattr(type(inner), "_all_reduce_sum_gradients"):
+        raise RuntimeError(
+            "keras_hetero cannot skip the optimizer's gradient all-reduce on "
+            f"Keras {KERAS_VERSION}: `{type(inner).__name__}` has no "
+            "`_all_reduce_sum_gradients`. Install a Keras version within the "
+            "range pinned by keras-hetero."
+        )
+    inner._all_reduce_sum_gradients = _already_aggregated
+
+
+def apply_aggregated_gradients(optimizer, grads, variables):
+    """Applies gradients that are already summed across replicas."""
+    grads_and_vars = list(zip(grads, variables))
+    if IS_LEGACY:
+        if isinstance(optimizer, keras.optimizers.legacy.Optimizer):
+            optimizer.apply_gradients(
+                grads_and_vars, experimental_aggregate_gradients=False
+            )
+        else:
+            optimizer.apply_gradients(
+                grads_and_vars, skip_gradients_aggregation=True
+            )
+        return
+    # `skip_optimizer_all_reduce` ran at compile time.
+    optimizer.apply_gradients(grads_and_vars)
+
+
+def is_loss_scale_optimizer(optimizer):
+    if IS_LEGACY:
+        return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+class Keras3TrainerOverrides:
+    """Small replacements for Keras 3 TF-trainer internals.
+
+    Mixed into `HeteroModel` on Keras 3 only. tf-keras needs none of them.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.15 reduces the first distributed batch with
+        # `strategy.reduce("MEAN", batch, axis=None)` to build the model. That
+        # fails for uneven per-replica shapes (AddN shape mismatch) and under
+        # MultiWorkerMirroredStrategy ("Attempt to convert a value
+        # (PerReplica...)"). Building only needs shapes: take replica 0's part,
+        # with the batch dimension unknown (replica 0 may have 0 rows).
+        if self._distribute_strategy is None:
+            return
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = next(it)
+                break
+            data_batch = tf.nest.map_structure(
+                _unbatched_spec,
+                first_local_values(self.distribute_strategy, data_batch),
+            )
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        # Keras 3.15 reduces step outputs with `reduce_per_replica(...,
+        # "auto")`, which under MultiWorkerMirroredStrategy calls
+        # `strategy.reduce("MEAN", v, axis=0)` on scalar logs and fails with
+        # "Invalid reduction dimension 0" (tensorflow#72388). HeteroModel's
+        # steps return logs that are already global and identical on every
+        # replica, so replica 0's copy is the answer; everything else mirrors
+        # Keras' own function (tf.function, jit_compile, steps_per_execution).
+        strategy = self.distribute_strategy
+
+        def one_step_on_data(data):
+            outputs = strategy.run(step_function, args=(data,))
+            return first_local_values(strategy, outputs)
+
+        if not self.run_eagerly:
+            one_step_on_data = tf.function(
+                one_step_on_data,
+                reduce_retracing=True,
+                jit_compile=self.jit_compile,
+            )
+        steps_per_execution = int(self.steps_per_execution)
+
+        def multi_step_on_iterator(iterator):
+            outputs = one_step_on_data(iterator.get_next())
+            if steps_per_execution == 1:
+                return outputs
+
+            def body(step, outputs):
+                next_data = iterator.get_next_as_optional()
+                return tf.cond(
+                    next_data.has_value(),
+                    lambda: (step + 1, one_step_on_data(next_data.get_value())),
+                    lambda: (tf.constant(steps_per_execution), outputs),
+                )
+
+            _, outputs = tf.while_loop(
+                lambda step, _: step < steps_per_execution,
+                body,
+                (tf.constant(1), outputs),
+            )
+            return outputs
+
+        if not self.run_eagerly:
+            multi_step_on_iterator = tf.function(
+                multi_step_on_iterator, reduce_retracing=True
+            )
+
+        def function(iterator):
+            if isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            ):
+                return multi_step_on_iterator(iterator)
+            outputs = None
+            for _, data in zip(range(steps_per_execution), iterator):
+                outputs = one_step_on_data(data)
+            return outputs
+
+        return function
+
+
+def first_local_values(strategy, structure):
+    """Replaces each distributed value in `structure` by its first local part."""
+
+    def first(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(first, structure)
+
+
+def _unbatched_spec(value):
+    if value is None:
+        return None
+    return tf.TensorSpec([None, *value.shape[1:]], value.dtype)
+
+
+class _NoTrainerOverrides:
+    """tf-keras needs no trainer overrides."""
+
+
+TrainerOverrides = _NoTrainerOverrides if IS_LEGACY else Keras3TrainerOverrides

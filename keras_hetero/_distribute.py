@@ -1,0 +1,55 @@
+"""Facts about a `tf.distribute.Strategy` that several boxes need."""
+
+import tensorflow as tf
+
+
+def is_parameter_server(strategy):
+    return isinstance(
+        strategy,
+        (
+            tf.distribute.experimental.ParameterServerStrategy,
+            tf.compat.v1.distribute.experimental.ParameterServerStrategy,
+        ),
+    )
+
+
+def is_multi_worker(strategy):
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def global_replica_devices(strategy):
+    """Device names of all replicas in global replica order.
+
+    Worker 0's replicas come first. Under MultiWorkerMirroredStrategy the
+    other workers' names are derived from this worker's by task index (all
+    workers of such a job have the same local devices).
+    """
+    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        # The default strategy runs where TensorFlow places ops by default.
+        logical = tf.config.list_logical_devices("GPU") or (
+            tf.config.list_logical_devices("CPU")
+        )
+        return [logical[0].name]
+    local = list(strategy.extended.worker_devices)
+    if not is_multi_worker(strategy):
+        return local
+    resolver = strategy.cluster_resolver
+    num_workers = len(resolver.cluster_spec().as_dict().get("worker", []))
+    num_workers += len(resolver.cluster_spec().as_dict().get("chief", []))
+    names = []
+    for task in range(num_workers):
+        for device in local:
+            spec = tf.DeviceSpec.from_string(device).replace(task=task)
+            names.append(spec.to_string())
+    return names
+
+
+def replica_id():
+    """This replica's global index, as a Python int, inside `strategy.run`."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 0
+    value = tf.get_static_value(context.replica_id_in_sync_group)
+    return 0 if value is None else int(value)

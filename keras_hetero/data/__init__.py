@@ -1,0 +1,6 @@
+"""Input: global batches split across replicas by moving shares."""
+
+from keras_hetero.data.shard import HeteroDataset, shard
+from keras_hetero.data.shares import rows_from_shares, validate_shares
+
+__all__ = ["HeteroDataset", "rows_from_shares", "shard", "validate_shares"]

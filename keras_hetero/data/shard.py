@@ -1,0 +1,196 @@
+"""`kh.data.shard`: global batches split into per-replica slices by shares."""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_hetero.data import shares as shares_lib
+
+
+class HeteroDataset:
+    """A dataset of global batches split across replicas by `shares`.
+
+    Created by `kh.data.shard`. Each run of `global_batch_size` consecutive
+    examples is one global batch; replica `i` gets the contiguous rows
+    `[start_i, end_i)` of it, in global replica order (worker 0's replicas
+    first). `shares` may be assigned at any time, also during `fit`.
+
+    Pass it to `HeteroModel.fit` / `evaluate` / `predict` like any dataset.
+    `as_distributed_dataset()` gives the underlying
+    `tf.distribute.DistributedDataset` for custom loops.
+
+    Attributes:
+        global_batch_size: Rows per global batch.
+        num_replicas: Replicas the batches are split across.
+        strategy: The `tf.distribute.Strategy` the split is for.
+    """
+
+    def __init__(self, examples, global_batch_size, strategy, shares):
+        self._examples = examples
+        self.global_batch_size = global_batch_size
+        self.strategy = strategy
+        self.num_replicas = strategy.num_replicas_in_sync
+        self._schedule = shares_lib.ShareSchedule(
+            shares_lib.validate_shares(shares, self.num_replicas)
+        )
+        self._distributed = None
+
+    @property
+    def shares(self):
+        """Per-replica fractions of the global batch (sum 1), assignable."""
+        return self._schedule.latest().copy()
+
+    @shares.setter
+    def shares(self, value):
+        self.set_shares(value)
+
+    def set_shares(self, shares, from_batch=None):
+        """Changes the split from global batch `from_batch` onwards.
+
+        Args:
+            shares: One non-negative number per replica (normalised to sum 1).
+            from_batch: The first global batch, counted over the whole run,
+                that uses the new split. Defaults to the next batch the input
+                pipeline has not split yet. Multi-worker jobs must pass the
+                same value on every worker.
+
+        Returns:
+            The global batch index from which the new shares apply.
+
+        Raises:
+            ValueError: If `shares` are invalid (see `shard`).
+        """
+        return self._schedule.set_shares(
+            shares_lib.validate_shares(shares, self.num_replicas), from_batch
+        )
+
+    @property
+    def rows(self):
+        """Rows each replica gets from a full global batch at current shares."""
+        return shares_lib.rows_from_shares(
+            self._schedule.latest(), self.global_batch_size
+        )
+
+    @property
+    def batches_split(self):
+        """Global batches the input pipeline has split so far (whole run)."""
+        return self._schedule.produced
+
+    @property
+    def num_batches(self):
+        """Global batches per epoch, or None if the example count is unknown."""
+        examples = int(self._examples.cardinality())
+        if examples < 0:
+            return None
+        return -(-examples // self.global_batch_size)
+
+    def as_distributed_dataset(self):
+        """The `tf.distribute.DistributedDataset` that `fit` iterates."""
+        if self._distributed is None:
+            distributed = self.strategy.distribute_datasets_from_function(
+                self._pipeline
+            )
+            if self.num_batches is not None:
+                # A worker's pipeline yields one element per LOCAL replica
+                # per global batch, and TF reports that count as the
+                # dataset's cardinality; Keras reads it as steps per epoch.
+                distributed._cardinality = self.num_batches
+            self._distributed = distributed
+        return self._distributed
+
+    def _pipeline(self, input_context):
+        local_replicas = self.num_replicas // input_context.num_input_pipelines
+        first_replica = input_context.input_pipeline_id * local_replicas
+        batches = self._examples.batch(self.global_batch_size)
+
+        def split(*batch):
+            batch = batch[0] if len(batch) == 1 else batch
+            total_rows = tf.shape(tf.nest.flatten(batch)[0])[0]
+            bounds = tf.numpy_function(
+                self._schedule.next_bounds, [total_rows], tf.int64
+            )
+            bounds.set_shape([self.num_replicas + 1])
+            slices = []
+            for replica in range(first_replica, first_replica + local_replicas):
+                start, end = bounds[replica], bounds[replica + 1]
+                slices.append(
+                    tf.nest.map_structure(lambda t: t[start:end], batch)
+                )
+            return tuple(slices)
+
+        def one_after_another(*slices):
+            # Consecutive elements go to the worker's replicas in turn.
+            datasets = [tf.data.Dataset.from_tensors(s) for s in slices]
+            dataset = datasets[0]
+            for more in datasets[1:]:
+                dataset = dataset.concatenate(more)
+            return dataset
+
+        if local_replicas == 1:
+            return batches.map(lambda *b: split(*b)[0])
+        return batches.map(split).flat_map(one_after_another)
+
+
+def shard(examples, global_batch_size, *, strategy=None, shares=None):
+    """Splits global batches of `examples` across replicas by `shares`.
+
+    Each run of `global_batch_size` consecutive examples is one global batch;
+    replica `i` gets the contiguous rows `[start_i, end_i)` of it, in global
+    replica order (worker 0's replicas first). Rows per replica come from the
+    shares by largest-remainder rounding and sum exactly to the global batch;
+    a replica may get 0 rows. The last global batch of an epoch may be
+    smaller and is split by the same shares. Training on the result equals
+    single-device training on `examples.batch(global_batch_size)`.
+
+    In multi-worker jobs every worker reads the whole example stream and keeps
+    its own rows, so `examples` must produce the same order on every worker
+    (seed any shuffle).
+
+    Args:
+        examples: An UNBATCHED `tf.data.Dataset` of `(x, y)` or
+            `(x, y, sample_weight)` examples.
+        global_batch_size: Rows per global batch, at least the number of
+            replicas.
+        strategy: The `tf.distribute.Strategy` the model trains under.
+            Defaults to the current strategy (`tf.distribute.get_strategy()`).
+        shares: One non-negative number per replica, normalised to sum 1.
+            Defaults to equal shares.
+
+    Returns:
+        A `kh.data.HeteroDataset`.
+
+    Raises:
+        TypeError: If `examples` is not a `tf.data.Dataset`.
+        ValueError: If `global_batch_size` is not an integer of at least the
+            number of replicas, or `shares` is not one finite, non-negative
+            number per replica with a positive sum.
+
+    Example:
+
+    >>> examples = tf.data.Dataset.from_tensor_slices(
+    ...     (np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")))
+    >>> ds = shard(examples, global_batch_size=4)
+    >>> ds.rows
+    array([4])
+    """
+    if not isinstance(examples, tf.data.Dataset):
+        raise TypeError(
+            "Invalid value for argument `examples`. Received: "
+            f"examples={examples!r} of type {type(examples).__name__}. "
+            "Expected an unbatched `tf.data.Dataset` of (x, y) examples."
+        )
+    strategy = strategy or tf.distribute.get_strategy()
+    num_replicas = strategy.num_replicas_in_sync
+    if (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, (int, np.integer))
+        or global_batch_size < num_replicas
+    ):
+        raise ValueError(
+            "Invalid value for argument `global_batch_size`. Received: "
+            f"global_batch_size={global_batch_size!r}. Expected an integer of "
+            f"at least the number of replicas ({num_replicas}) under "
+            f"{type(strategy).__name__}."
+        )
+    if shares is None:
+        shares = np.ones(num_replicas)
+    return HeteroDataset(examples, int(global_batch_size), strategy, shares)

@@ -1,0 +1,161 @@
+"""Pure decision logic for per-replica shares: validation, rounding, schedule.
+
+No TensorFlow here: everything is numpy over explicit state so it can be tested
+and reasoned about alone.
+"""
+
+import threading
+
+import numpy as np
+
+
+def validate_shares(shares, num_replicas):
+    """Checks `shares` and returns them as float64 fractions summing to 1.
+
+    Args:
+        shares: One non-negative number per replica. They are normalised, so
+            `[3, 1]` means `[0.75, 0.25]`.
+        num_replicas: How many replicas the shares must cover.
+
+    Returns:
+        A float64 `np.ndarray` of length `num_replicas` summing to 1.
+
+    Raises:
+        ValueError: If `shares` has the wrong length, a negative, NaN or
+            infinite entry, or sums to 0.
+
+    Example:
+
+    >>> validate_shares([3, 1], 2)
+    array([0.75, 0.25])
+    """
+    try:
+        values = np.asarray(shares, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"Invalid value for argument `shares`. Received: shares={shares!r}."
+            f" Expected {num_replicas} non-negative numbers, one per replica."
+        ) from None
+    if values.ndim != 1 or values.shape[0] != num_replicas:
+        raise ValueError(
+            f"Invalid value for argument `shares`. Received: shares={shares!r} "
+            f"(length {values.size}). Expected one share per replica: "
+            f"{num_replicas} non-negative numbers."
+        )
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(
+            f"Invalid value for argument `shares`. Received: shares={shares!r}. "
+            "Expected finite, non-negative numbers."
+        )
+    total = values.sum()
+    if total <= 0:
+        raise ValueError(
+            f"Invalid value for argument `shares`. Received: shares={shares!r}. "
+            "Expected at least one positive share (they sum to 0)."
+        )
+    return values / total
+
+
+def rows_from_shares(shares, total_rows):
+    """Splits `total_rows` into whole rows per replica by largest remainder.
+
+    Each replica first gets `floor(share * total_rows)`; the rows left over go,
+    one each, to the replicas with the largest fractional remainders (ties to
+    the lower replica index). The result sums exactly to `total_rows`.
+
+    Args:
+        shares: Fractions summing to 1 (see `validate_shares`).
+        total_rows: The number of rows to split.
+
+    Returns:
+        An int64 `np.ndarray`, one row count per replica.
+
+    Example:
+
+    >>> rows_from_shares(np.array([0.5, 0.25, 0.25]), 7)
+    array([3, 2, 2])
+    """
+    exact = np.asarray(shares, dtype=np.float64) * int(total_rows)
+    rows = np.floor(exact).astype(np.int64)
+    missing = int(total_rows) - int(rows.sum())
+    if missing > 0:
+        order = np.argsort(-(exact - rows), kind="stable")
+        rows[order[:missing]] += 1
+    return rows
+
+
+class ShareSchedule:
+    """Which shares split which global batch.
+
+    Input pipelines call `next_bounds` once per global batch, in order. A share
+    change names the global batch index from which it applies, so every
+    pipeline of a multi-worker job splits every batch the same way no matter
+    how far ahead its prefetching runs.
+
+    Args:
+        shares: The initial shares (validated).
+
+    Example:
+
+    >>> schedule = ShareSchedule(np.array([0.5, 0.5]))
+    >>> schedule.next_bounds(4)
+    array([0, 2, 4])
+    """
+
+    def __init__(self, shares):
+        self._lock = threading.Lock()
+        self._changes = [(0, np.asarray(shares, dtype=np.float64))]
+        self._produced = 0
+
+    @property
+    def produced(self):
+        """How many global batches the input pipeline has split so far."""
+        return self._produced
+
+    def shares_at(self, batch_index):
+        """The shares that split global batch `batch_index`."""
+        with self._lock:
+            return self._shares_at(batch_index)
+
+    def _shares_at(self, batch_index):
+        current = self._changes[0][1]
+        for start, shares in self._changes:
+            if start > batch_index:
+                break
+            current = shares
+        return current
+
+    def latest(self):
+        """The most recently scheduled shares."""
+        with self._lock:
+            return self._changes[-1][1]
+
+    def set_shares(self, shares, from_batch=None):
+        """Schedules `shares` for global batches `from_batch` onwards.
+
+        Args:
+            shares: Validated fractions.
+            from_batch: The first global batch index (counted over the whole
+                run) that uses them. Defaults to the next batch the pipeline
+                has not split yet.
+
+        Returns:
+            The batch index from which the shares apply.
+        """
+        with self._lock:
+            start = self._produced if from_batch is None else int(from_batch)
+            # A change replaces any later-scheduled one.
+            self._changes = [c for c in self._changes if c[0] < start]
+            self._changes.append((start, np.asarray(shares, np.float64)))
+            return start
+
+    def next_bounds(self, total_rows):
+        """Row boundaries of the next global batch, one more than replicas.
+
+        Replica `i` takes rows `[bounds[i], bounds[i + 1])`.
+        """
+        with self._lock:
+            shares = self._shares_at(self._produced)
+            self._produced += 1
+        rows = rows_from_shares(shares, int(total_rows))
+        return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)

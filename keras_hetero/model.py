@@ -1,0 +1,418 @@
+"""`kh.HeteroModel`: a `keras.Model` whose step is right for unequal replicas.
+
+One training step, per replica:
+
+1. time stamp, forward pass, the compiled loss as this replica's mean over its
+   own rows (sample weights and regularisers included), times its row count;
+2. gradients of that local SUM, time stamp (compute seconds end here);
+3. one cross-replica SUM of the gradients together with every replica's rows
+   and seconds (`aggregation.aggregate`);
+4. division by the global row count, optional global-norm clipping, then the
+   optimizer update with its own all-reduce skipped.
+
+Summed over replicas the gradient is `d/dw (SUM of per-example losses / global
+rows + regularisers)`: exactly what one device computes on the concatenated
+global batch, for any split of rows (a replica may have none).
+"""
+
+import tensorflow as tf
+
+from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero import aggregation
+from keras_hetero import telemetry
+from keras_hetero._compat import keras
+from keras_hetero.data.shard import HeteroDataset
+
+PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
+_PLANNED = "is not available in this release of keras-hetero yet"
+
+
+class HeteroModel(_compat.TrainerOverrides, keras.Model):
+    """A `keras.Model` that trains correctly on unequal replicas.
+
+    Use it wherever you would use `keras.Model`: functional
+    (`HeteroModel(inputs, outputs)`), from an existing functional or
+    Sequential model (`HeteroModel.from_model(model)`, layers shared), or as
+    a base class with your own `call`. `compile`, `fit`, `evaluate`,
+    `predict`, `.keras` saving and `keras.saving.load_model` work as usual.
+
+    Under any synchronous `tf.distribute` strategy each replica's loss is
+    weighted by its rows, so the update equals single-device training on the
+    concatenated global batch even when replicas get different numbers of
+    rows (see `kh.data.shard`). Logged loss and metrics are global and
+    sample-weighted. After each train batch `model.step_stats` holds every
+    replica's rows and compute seconds.
+
+    Args:
+        *args: What `keras.Model` takes (e.g. `inputs, outputs`).
+        precision: `None` or `"float32"`. (`"mixed_float16"`,
+            `"mixed_bfloat16"` and `"auto"` are reserved and raise
+            `NotImplementedError` for now.) Defaults to `None`.
+        gradient_compression: `None`, `"fp16"` or `"bf16"`: the gradients'
+            dtype on the wire during the all-reduce only. Defaults to `None`.
+        accumulation_steps: Must be 1 for now. Defaults to `1`.
+        pipeline_microbatches: Must be 1 for now. Defaults to `1`.
+        communication: A `tf.distribute.experimental.CommunicationOptions`
+            passed to the gradient all-reduce. Defaults to `None`.
+        global_clipnorm: Clip the AGGREGATED gradient to this global norm.
+            Defaults to `None` (no clipping).
+        **kwargs: What `keras.Model` takes.
+
+    Raises:
+        ValueError: For an unknown `precision` or `gradient_compression`,
+            `accumulation_steps` or `pipeline_microbatches` below 1, or a
+            `global_clipnorm` that is not positive.
+        TypeError: If `communication` is not `CommunicationOptions`.
+        NotImplementedError: For settings reserved for a later release.
+
+    Example:
+
+    >>> inputs = keras.Input((4,))
+    >>> outputs = keras.layers.Dense(1)(inputs)
+    >>> model = HeteroModel(inputs, outputs)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is HeteroModel and _compat.functional_init_arguments(
+            args, kwargs
+        ):
+            cls = _FunctionalHeteroModel
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(
+        self,
+        *args,
+        precision=None,
+        gradient_compression=None,
+        accumulation_steps=1,
+        pipeline_microbatches=1,
+        communication=None,
+        global_clipnorm=None,
+        **kwargs,
+    ):
+        _check_options(
+            precision,
+            gradient_compression,
+            accumulation_steps,
+            pipeline_microbatches,
+            communication,
+            global_clipnorm,
+        )
+        if _compat.functional_init_arguments(args, kwargs):
+            if not isinstance(self, _compat.Functional):
+                raise TypeError(
+                    f"`{type(self).__name__}` subclasses HeteroModel and calls "
+                    "`super().__init__(inputs, outputs)`. Build a functional "
+                    "model with `kh.HeteroModel(inputs, outputs)` or "
+                    "`kh.HeteroModel.from_model(model)`, or subclass "
+                    "HeteroModel with your own `call()`."
+                )
+            _compat.init_functional(self, args, kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        self._hetero = _HeteroState(
+            precision=precision,
+            gradient_compression=gradient_compression,
+            accumulation_steps=accumulation_steps,
+            pipeline_microbatches=pipeline_microbatches,
+            communication=communication,
+            global_clipnorm=global_clipnorm,
+        )
+        if _compat.IS_LEGACY:
+            # Our logs are global and identical on every replica.
+            self.distribute_reduction_method = "first"
+
+    @classmethod
+    def from_model(cls, model, **kwargs):
+        """A HeteroModel over the layers of a functional or Sequential model.
+
+        The new model shares the layers (and so the weights) of `model`.
+
+        Args:
+            model: A built functional or Sequential `keras.Model` (one with
+                `inputs` and `outputs`).
+            **kwargs: HeteroModel arguments, e.g. `gradient_compression`.
+
+        Returns:
+            A `HeteroModel`.
+
+        Raises:
+            ValueError: If `model` has no symbolic inputs (a subclassed model,
+                or a Sequential model that was never given an input shape).
+
+        Example:
+
+        >>> base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> model = HeteroModel.from_model(base)
+        """
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs or not outputs:
+            raise ValueError(
+                f"Invalid value for argument `model`. Received: model={model!r} "
+                "with no symbolic inputs. Expected a functional model or a "
+                "Sequential model that starts with `keras.Input(...)`. For a "
+                "subclassed model, subclass `kh.HeteroModel` instead."
+            )
+        kwargs.setdefault("name", model.name)
+        return HeteroModel(inputs=inputs, outputs=outputs, **kwargs)
+
+    @property
+    def step_stats(self):
+        """`kh.StepStats` of the last executed train step(s), or None.
+
+        None before the first train step and under ParameterServerStrategy.
+        """
+        hetero = self.__dict__.get("_hetero")
+        if hetero is None or hetero.telemetry is None:
+            return None
+        return hetero.telemetry.step_stats()
+
+    # --- training -------------------------------------------------------
+
+    def train_step(self, data):
+        x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
+        hetero = self._hetero
+        rows = _batch_rows(x)
+        start = telemetry.clock(rows)
+        with tf.control_dependencies([start]):
+            x = tf.nest.map_structure(tf.identity, x)
+        variables = self.trainable_variables
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            mean_loss = _compat.unscaled_mean_loss(
+                self, x, y, y_pred, sample_weight, training=True
+            )
+            loss_sum = mean_loss * tf.cast(rows, mean_loss.dtype)
+        grads = tape.gradient(loss_sum, variables)
+        with tf.control_dependencies(_dependencies(grads)):
+            seconds = telemetry.clock(rows) - start
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        stats = telemetry.stats_vector(num_replicas, rows, seconds)
+        grads, stats = aggregation.aggregate(
+            grads,
+            stats,
+            compression=hetero.gradient_compression,
+            options=hetero.communication,
+        )
+        global_rows = tf.reduce_sum(stats[:num_replicas])
+        grads = aggregation.divide(grads, global_rows)
+        grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
+        _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
+        if hetero.telemetry is not None:
+            hetero.telemetry.record(stats)
+        _compat.update_metrics(self, x, y, y_pred, sample_weight)
+        return self._global_logs()
+
+    def test_step(self, data):
+        x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        _compat.unscaled_mean_loss(
+            self, x, y, y_pred, sample_weight, training=False
+        )
+        _compat.update_metrics(self, x, y, y_pred, sample_weight)
+        return self._global_logs()
+
+    def _global_logs(self):
+        # Metric variables are ON_READ sums: read in cross-replica context
+        # they aggregate all replicas (a collective under multi-worker).
+        context = tf.distribute.get_replica_context()
+        if (
+            context is None
+            or context.num_replicas_in_sync == 1
+            or _distribute.is_parameter_server(context.strategy)
+        ):
+            return self.get_metrics_result()
+        return context.merge_call(lambda _: self.get_metrics_result())
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        strategy = self.distribute_strategy
+        hetero = self._hetero
+        if hetero.telemetry is None and not _distribute.is_parameter_server(
+            strategy
+        ):
+            hetero.telemetry = telemetry.Telemetry(
+                strategy, _distribute.global_replica_devices(strategy)
+            )
+        super().make_train_function(force=force)
+        function = self.train_function
+        if hetero.telemetry is None:
+            return function
+
+        def train_function(iterator):
+            logs = function(iterator)
+            hetero.telemetry.snapshot()
+            return logs
+
+        self.train_function = train_function
+        return train_function
+
+    # --- input and strategy checks ---------------------------------------
+
+    def compile(self, *args, **kwargs):
+        self._check_strategy("compile")
+        super().compile(*args, **kwargs)
+        _compat.skip_optimizer_all_reduce(self.optimizer)
+        if _compat.is_loss_scale_optimizer(self.optimizer):
+            raise NotImplementedError(
+                "A LossScaleOptimizer " + _PLANNED + " (stock Keras decides "
+                "'finite' from replica 0 only). Use a plain optimizer."
+            )
+
+    def fit(self, x=None, y=None, *args, **kwargs):
+        self._check_strategy("fit")
+        if isinstance(x, HeteroDataset):
+            # Global batches keep their order; shuffle the examples instead.
+            kwargs.setdefault("shuffle", False)
+        x = self._as_input(x)
+        if kwargs.get("validation_data") is not None:
+            kwargs["validation_data"] = self._as_input(
+                kwargs["validation_data"]
+            )
+        if self._hetero.telemetry is not None:
+            self._hetero.telemetry.reset()
+        return super().fit(x, y, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        self._check_strategy("evaluate")
+        return super().evaluate(self._as_input(x), y, *args, **kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        self._check_strategy("predict")
+        return super().predict(self._as_input(x), *args, **kwargs)
+
+    def _check_strategy(self, method):
+        current = tf.distribute.get_strategy()
+        created = _compat.model_strategy(self)
+        if tf.distribute.has_strategy() and current is not created:
+            raise ValueError(
+                f"`{self.name}.{method}()` was called inside the scope of "
+                f"{type(current).__name__}, but the model was created "
+                + (
+                    "outside any strategy scope"
+                    if created is None
+                    else f"under {type(created).__name__}"
+                )
+                + ". Create (and compile) the model inside `with "
+                "strategy.scope():` of the strategy you train with."
+            )
+
+    def _as_input(self, x):
+        if not isinstance(x, HeteroDataset):
+            return x
+        strategy = self.distribute_strategy
+        if x.strategy is not strategy:
+            raise ValueError(
+                "Invalid value for argument `x`: a HeteroDataset sharded for "
+                f"{type(x.strategy).__name__} ({x.num_replicas} replicas), "
+                f"but `{self.name}` runs under {type(strategy).__name__} "
+                f"({strategy.num_replicas_in_sync} replicas). Pass "
+                "`strategy=` to `kh.data.shard` (or call it inside the "
+                "model's `strategy.scope()`)."
+            )
+        return x.as_distributed_dataset()
+
+    # --- config ------------------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self._hetero.config())
+        return config
+
+
+@_compat.register_serializable("HeteroModel")
+class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
+    """The class of functional HeteroModels (`HeteroModel(inputs, outputs)`)."""
+
+
+_FunctionalHeteroModel.__name__ = "HeteroModel"
+_FunctionalHeteroModel.__qualname__ = "HeteroModel"
+
+
+class _HeteroState:
+    """HeteroModel settings and run-time objects, kept out of Keras tracking."""
+
+    def __init__(self, **settings):
+        self.settings = settings
+        for name, value in settings.items():
+            setattr(self, name, value)
+        self.telemetry = None
+
+    def config(self):
+        config = dict(self.settings)
+        # CommunicationOptions is not serialisable; it is a run-time choice.
+        config.pop("communication")
+        return config
+
+
+def _check_options(
+    precision,
+    gradient_compression,
+    accumulation_steps,
+    pipeline_microbatches,
+    communication,
+    global_clipnorm,
+):
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"Invalid value for argument `precision`. Received: "
+            f"precision={precision!r}. Expected one of {PRECISIONS}."
+        )
+    if precision not in (None, "float32"):
+        raise NotImplementedError(f"precision={precision!r} {_PLANNED}.")
+    if gradient_compression not in (None, *aggregation.WIRE_DTYPES):
+        raise ValueError(
+            "Invalid value for argument `gradient_compression`. Received: "
+            f"gradient_compression={gradient_compression!r}. Expected None, "
+            '"fp16" or "bf16".'
+        )
+    for name, value in (
+        ("accumulation_steps", accumulation_steps),
+        ("pipeline_microbatches", pipeline_microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Received: "
+                f"{name}={value!r}. Expected an integer >= 1."
+            )
+        if value != 1:
+            raise NotImplementedError(f"{name}={value} {_PLANNED}.")
+    if communication is not None and not isinstance(
+        communication, tf.distribute.experimental.CommunicationOptions
+    ):
+        raise TypeError(
+            "Invalid value for argument `communication`. Received: "
+            f"communication={communication!r}. Expected a "
+            "`tf.distribute.experimental.CommunicationOptions` or None."
+        )
+    if global_clipnorm is not None and not (
+        isinstance(global_clipnorm, (int, float))
+        and not isinstance(global_clipnorm, bool)
+        and global_clipnorm > 0
+    ):
+        raise ValueError(
+            "Invalid value for argument `global_clipnorm`. Received: "
+            f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
+            "or None."
+        )
+
+
+def _batch_rows(x):
+    leaves = [leaf for leaf in tf.nest.flatten(x) if leaf is not None]
+    return tf.shape(leaves[0])[0]
+
+
+def _dependencies(grads):
+    deps = []
+    for grad in grads:
+        if isinstance(grad, tf.IndexedSlices):
+            deps.append(grad.values)
+        elif grad is not None:
+            deps.append(grad)
+    return deps

@@ -1,0 +1,136 @@
+"""Per-replica step telemetry: rows and compute seconds -> `model.step_stats`.
+
+Each replica measures, inside the graph, the seconds from the start of its
+step until its gradients are ready (before the collective). The numbers of all
+replicas travel in the same all-reduce as the gradients, so every worker ends
+up with every replica's numbers at no extra collective.
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What each replica did in the last executed train step(s).
+
+    With `steps_per_execution > 1` the numbers cover all steps of the last
+    execution (rows and seconds are sums over them).
+
+    Attributes:
+        step: Train steps completed by this model so far, the covered ones
+            included.
+        steps: How many steps these numbers cover.
+        rows: Rows each global replica processed, in global replica order.
+        compute_seconds: Seconds from each replica's step start until its
+            gradients were ready, summed over the covered steps.
+        devices: The device of each global replica.
+    """
+
+    step: int
+    steps: int
+    rows: np.ndarray
+    compute_seconds: np.ndarray
+    devices: list
+
+    @property
+    def seconds_per_row(self):
+        """`compute_seconds / rows` (NaN where a replica had no rows)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(
+                self.rows > 0, self.compute_seconds / self.rows, np.nan
+            )
+
+
+def _now(dependency):
+    del dependency
+    return np.float64(time.perf_counter())
+
+
+def clock(dependency):
+    """Host time in seconds, taken once `dependency` is computed.
+
+    A stateless `numpy_function` keeps TensorFlow's automatic control
+    dependencies from ordering the clocks of different replicas one after the
+    other (a stateful op would serialize the replicas' steps).
+    """
+    value = tf.numpy_function(_now, [dependency], tf.float64, stateful=False)
+    value.set_shape([])
+    return value
+
+
+def stats_vector(num_replicas, rows, seconds):
+    """This replica's rows and seconds at its slots; a SUM gathers all."""
+    # float32, the gradients' usual dtype, so it travels in their collective
+    # (exact for up to 2**24 rows per step).
+    replica = tf.distribute.get_replica_context()
+    replica_id = 0 if replica is None else replica.replica_id_in_sync_group
+    one_hot = tf.one_hot(replica_id, num_replicas, dtype=tf.float32)
+    return tf.concat(
+        [
+            one_hot * tf.cast(rows, tf.float32),
+            one_hot * tf.cast(seconds, tf.float32),
+        ],
+        axis=0,
+    )
+
+
+class Telemetry:
+    """Holds the running totals variable and turns it into `StepStats`.
+
+    The variable is `[steps, rows_0..rows_R-1, seconds_0..seconds_R-1]`,
+    summed over all steps so far. It is ON_READ with ONLY_FIRST_REPLICA: each
+    replica adds the same all-reduced numbers locally (no merge, no extra
+    collective) and a read takes the first copy.
+    """
+
+    def __init__(self, strategy, devices):
+        self.num_replicas = strategy.num_replicas_in_sync
+        self.devices = list(devices)
+        with strategy.scope():
+            self.totals = tf.Variable(
+                tf.zeros([1 + 2 * self.num_replicas], tf.float64),
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="keras_hetero_telemetry",
+            )
+        self._previous = None
+        self._current = None
+
+    def record(self, gathered_stats):
+        """Adds one step's gathered stats (call inside the replica step)."""
+        self.totals.assign_add(
+            tf.concat(
+                [tf.ones([1], tf.float64), tf.cast(gathered_stats, tf.float64)],
+                axis=0,
+            )
+        )
+
+    def snapshot(self):
+        """Marks the end of one train-function call (no host sync)."""
+        self._previous = self._current
+        self._current = tf.identity(self.totals.read_value())
+
+    def reset(self):
+        """Starts a new series; the next `snapshot` has nothing before it."""
+        self._current = tf.identity(self.totals.read_value())
+        self._previous = None
+
+    def step_stats(self):
+        """`StepStats` of the last call, or None before the first one."""
+        if self._previous is None or self._current is None:
+            return None
+        current = self._current.numpy()
+        delta = current - self._previous.numpy()
+        replicas = self.num_replicas
+        return StepStats(
+            step=int(current[0]),
+            steps=int(delta[0]),
+            rows=np.rint(delta[1 : 1 + replicas]).astype(np.int64),
+            compute_seconds=delta[1 + replicas :],
+            devices=list(self.devices),
+        )

@@ -1,0 +1,21 @@
+"""Helpers for tests and benchmarks: logical devices, worker processes, and
+simulated slow devices. Everything here is simulation; say so wherever a
+figure comes from it."""
+
+from keras_hetero.testing.devices import logical_cpus
+from keras_hetero.testing.simulated_speed import SimulatedSpeed
+from keras_hetero.testing.workers import (
+    WorkerError,
+    WorkerResult,
+    free_ports,
+    run_workers,
+)
+
+__all__ = [
+    "SimulatedSpeed",
+    "WorkerError",
+    "WorkerResult",
+    "free_ports",
+    "logical_cpus",
+    "run_workers",
+]

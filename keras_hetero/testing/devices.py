@@ -1,0 +1,47 @@
+"""Logical CPU devices, so multi-replica code runs on one CPU."""
+
+import tensorflow as tf
+
+
+def logical_cpus(n):
+    """Splits the host CPU into `n` logical devices and returns their names.
+
+    Must run before TensorFlow initialises its devices (before the first op).
+    Calling it again with the same `n` is fine.
+
+    Args:
+        n: How many logical CPU devices, at least 1.
+
+    Returns:
+        The device names, e.g. `["/device:CPU:0", "/device:CPU:1"]`.
+
+    Raises:
+        ValueError: If `n` is not a positive integer.
+        RuntimeError: If TensorFlow already initialised a different number of
+            CPU devices.
+
+    Example:
+
+    >>> logical_cpus(2)
+    ['/device:CPU:0', '/device:CPU:1']
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"Invalid value for argument `n`. Received: n={n!r}. Expected a "
+            "positive integer."
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * n
+        )
+    except RuntimeError:
+        existing = tf.config.list_logical_devices("CPU")
+        if len(existing) != n:
+            raise RuntimeError(
+                f"logical_cpus({n}): TensorFlow already initialised "
+                f"{len(existing)} CPU device(s); call logical_cpus before any "
+                "TensorFlow op runs (e.g. at the top of the script or in a "
+                "pytest conftest)."
+            ) from None
+    return [f"/device:CPU:{i}" for i in range(n)]

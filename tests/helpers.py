@@ -1,0 +1,100 @@
+"""Shared test fixtures: data, a small model, and the single-device reference.
+
+Also imported by worker processes (keep it free of pytest).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import keras_hetero as kh
+from keras_hetero._compat import keras
+
+FEATURES = 5
+GLOBAL_BATCH = 16
+ROWS = 72  # 4.5 global batches: the last one is partial.
+
+
+def arrays(rows=ROWS, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1).astype("float32")
+    weights = rng.uniform(0.2, 2.0, size=(rows,)).astype("float32")
+    ids = np.arange(rows, dtype="int64")
+    return x, y, weights, ids
+
+
+def examples(sample_weights=False, rows=ROWS):
+    x, y, weights, _ = arrays(rows)
+    if sample_weights:
+        return tf.data.Dataset.from_tensor_slices((x, y, weights))
+    return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def layers(regularizer=False):
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(
+        4,
+        activation="tanh",
+        kernel_regularizer=keras.regularizers.L2(0.01) if regularizer else None,
+    )(inputs)
+    return inputs, keras.layers.Dense(1)(hidden)
+
+
+def compile_model(model):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss="mse",
+        metrics=["mae"],
+    )
+    return model
+
+
+def initial_weights(regularizer=False):
+    keras.utils.set_random_seed(7)
+    return keras.Model(*layers(regularizer)).get_weights()
+
+
+def reference_fit(epochs=2, sample_weights=False, regularizer=False):
+    """Single-device training on the concatenated global batches."""
+    model = compile_model(keras.Model(*layers(regularizer)))
+    model.set_weights(initial_weights(regularizer))
+    history = model.fit(
+        examples(sample_weights).batch(GLOBAL_BATCH), epochs=epochs, verbose=0
+    )
+    return model, history.history
+
+
+def hetero_model(regularizer=False, **kwargs):
+    """A compiled HeteroModel with the reference's initial weights.
+
+    Call inside the strategy scope.
+    """
+    model = compile_model(kh.HeteroModel(*layers(regularizer), **kwargs))
+    model.set_weights(initial_weights(regularizer))
+    return model
+
+
+def assert_weights_close(actual, expected, rtol=1e-5, atol=1e-6):
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+_KEY_BASES = iter(range(10_000, 10_000_000, 10_000))
+
+
+def mirrored(devices):
+    """A MirroredStrategy whose collective keys cannot clash with another's.
+
+    Every MirroredStrategy numbers its collective groups from 1, so two live
+    instances over different device counts in one process collide ("joining
+    a group with size 3, but that group has size 2"). Real jobs have one
+    strategy per process; tests create many.
+    """
+    cls = tf.distribute.MirroredStrategy
+    saved = cls._collective_key_base
+    cls._collective_key_base = next(_KEY_BASES)
+    try:
+        return cls(devices)
+    finally:
+        cls._collective_key_base = saved

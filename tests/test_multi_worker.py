@@ -1,0 +1,72 @@
+"""MultiWorkerMirroredStrategy with real worker processes on 127.0.0.1."""
+
+import numpy as np
+import pytest
+
+import helpers
+import keras_hetero as kh
+import workers_lib
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "num_workers, shares",
+    [(2, [0.75, 0.25]), (2, [1.0, 0.0]), (3, [0.5, 0.3, 0.2])],
+    ids=["2w-75_25", "2w-100_0", "3w-50_30_20"],
+)
+def test_fit_evaluate_predict_match_single_device(num_workers, shares):
+    results = kh.testing.run_workers(
+        workers_lib.train_mwms,
+        num_workers,
+        timeout=240,
+        args=(shares, 2, True, True),
+    )
+    reference, reference_history = helpers.reference_fit(
+        sample_weights=True, regularizer=True
+    )
+    expected_eval = reference.evaluate(
+        helpers.examples(sample_weights=True).batch(helpers.GLOBAL_BATCH),
+        return_dict=True,
+        verbose=0,
+    )
+    x, _, _, _ = helpers.arrays()
+    expected_predictions = reference.predict(x, verbose=0)
+    for result in results:
+        value = result.value
+        assert value["num_replicas"] == num_workers
+        helpers.assert_weights_close(value["weights"], reference.get_weights())
+        for key in ("loss", "mae"):
+            assert value["history"][key] == pytest.approx(
+                reference_history[key], rel=1e-5
+            )
+            assert value["evaluation"][key] == pytest.approx(
+                expected_eval[key], rel=1e-5
+            )
+        np.testing.assert_allclose(
+            value["predictions"], expected_predictions, rtol=1e-5, atol=1e-6
+        )
+        # Every worker sees every replica's rows (last, partial batch: 8).
+        expected_rows = kh.data.rows_from_shares(
+            kh.data.validate_shares(shares, num_workers), 8
+        )
+        assert value["rows"].tolist() == expected_rows.tolist()
+        assert len(value["devices"]) == num_workers
+        assert len(set(value["devices"])) == num_workers
+
+
+def test_each_example_reaches_exactly_one_replica_once():
+    shares = [0.7, 0.3]
+    results = kh.testing.run_workers(
+        workers_lib.seen_ids_mwms, 2, timeout=180, args=(shares,)
+    )
+    per_worker = [r.value for r in results]
+    assert len(per_worker[0]) == len(per_worker[1])
+    seen = []
+    for step_parts in zip(*per_worker):
+        # Global replica order: worker 0's rows come first in each batch.
+        batch = [row for worker_parts in step_parts for part in worker_parts
+                 for row in part]
+        assert batch == sorted(batch)
+        seen.extend(batch)
+    assert sorted(seen) == list(range(helpers.ROWS))

@@ -1,0 +1,67 @@
+"""Functions that run inside worker processes started by `run_workers`.
+
+They are module-level (picklable) and import TensorFlow only when called.
+"""
+
+
+def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
+    """Fit / evaluate / predict a HeteroModel under MultiWorkerMirrored."""
+    import tensorflow as tf
+
+    import helpers
+    import keras_hetero as kh
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = helpers.hetero_model(regularizer=regularizer)
+    dataset = kh.data.shard(
+        helpers.examples(sample_weights=sample_weights),
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
+        shares=shares,
+    )
+    history = model.fit(dataset, epochs=epochs, verbose=0)
+    stats = model.step_stats
+    evaluation = model.evaluate(
+        kh.data.shard(
+            helpers.examples(sample_weights=sample_weights),
+            helpers.GLOBAL_BATCH,
+            strategy=strategy,
+            shares=shares,
+        ),
+        return_dict=True,
+        verbose=0,
+    )
+    x, _, _, _ = helpers.arrays()
+    predictions = model.predict(x, batch_size=helpers.GLOBAL_BATCH, verbose=0)
+    return {
+        "weights": model.get_weights(),
+        "history": history.history,
+        "evaluation": evaluation,
+        "predictions": predictions,
+        "rows": stats.rows,
+        "devices": stats.devices,
+        "num_replicas": strategy.num_replicas_in_sync,
+    }
+
+
+def seen_ids_mwms(shares, epochs=1):
+    """The example ids each replica of this worker received, per step."""
+    import numpy as np
+    import tensorflow as tf
+
+    import helpers
+    import keras_hetero as kh
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    _, _, _, ids = helpers.arrays()
+    examples = tf.data.Dataset.from_tensor_slices(ids)
+    dataset = kh.data.shard(
+        examples, helpers.GLOBAL_BATCH, strategy=strategy, shares=shares
+    )
+    seen = []
+    for _ in range(epochs):
+        for batch in dataset.as_distributed_dataset():
+            local = strategy.experimental_local_results(batch)
+            seen.append([np.asarray(part).tolist() for part in local])
+    return seen
