@@ -270,21 +270,38 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if isinstance(x, HeteroDataset):
             # Global batches keep their order; shuffle the examples instead.
             kwargs.setdefault("shuffle", False)
-        x = self._as_input(x)
-        if kwargs.get("validation_data") is not None:
-            kwargs["validation_data"] = self._as_input(
-                kwargs["validation_data"]
-            )
+            if _compat.IS_LEGACY:
+                # tf-keras never re-iterates a distributed dataset: it wants
+                # a repeated one and the steps per epoch.
+                kwargs.setdefault("steps_per_epoch", x.num_batches)
+                if kwargs["steps_per_epoch"] is None:
+                    raise ValueError(
+                        "The examples passed to `kh.data.shard` have an "
+                        "unknown length. Pass `steps_per_epoch=` to `fit` "
+                        "(global batches per epoch) under tf-keras."
+                    )
+        x = self._as_input(x, repeat=_compat.IS_LEGACY)
+        validation = kwargs.get("validation_data")
+        if isinstance(validation, HeteroDataset):
+            if _compat.IS_LEGACY:
+                kwargs.setdefault("validation_steps", validation.num_batches)
+            kwargs["validation_data"] = self._as_input(validation)
         if self._hetero.telemetry is not None:
             self._hetero.telemetry.reset()
         return super().fit(x, y, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
+        if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
+            if x.num_batches is not None and not args:
+                kwargs.setdefault("steps", x.num_batches)
         return super().evaluate(self._as_input(x), y, *args, **kwargs)
 
     def predict(self, x, *args, **kwargs):
         self._check_strategy("predict")
+        if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
+            if x.num_batches is not None and not args:
+                kwargs.setdefault("steps", x.num_batches)
         return super().predict(self._as_input(x), *args, **kwargs)
 
     def _check_strategy(self, method):
@@ -303,7 +320,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "strategy.scope():` of the strategy you train with."
             )
 
-    def _as_input(self, x):
+    def _as_input(self, x, repeat=False):
         if not isinstance(x, HeteroDataset):
             return x
         strategy = self.distribute_strategy
@@ -316,7 +333,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "`strategy=` to `kh.data.shard` (or call it inside the "
                 "model's `strategy.scope()`)."
             )
-        return x.as_distributed_dataset()
+        return x.as_distributed_dataset(repeat=repeat)
 
     # --- config ------------------------------------------------------------
 

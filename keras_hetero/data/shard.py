@@ -32,7 +32,7 @@ class HeteroDataset:
         self._schedule = shares_lib.ShareSchedule(
             shares_lib.validate_shares(shares, self.num_replicas)
         )
-        self._distributed = None
+        self._distributed = {}
 
     @property
     def shares(self):
@@ -83,24 +83,35 @@ class HeteroDataset:
             return None
         return -(-examples // self.global_batch_size)
 
-    def as_distributed_dataset(self):
-        """The `tf.distribute.DistributedDataset` that `fit` iterates."""
-        if self._distributed is None:
+    def as_distributed_dataset(self, repeat=False):
+        """The `tf.distribute.DistributedDataset` that `fit` iterates.
+
+        Args:
+            repeat: Repeat the epochs forever (each epoch keeps its own last,
+                partial global batch), for loops that count steps per epoch
+                instead of re-iterating. Defaults to `False`.
+
+        Returns:
+            A `tf.distribute.DistributedDataset` of per-replica slices.
+        """
+        if repeat not in self._distributed:
             distributed = self.strategy.distribute_datasets_from_function(
-                self._pipeline
+                lambda context: self._pipeline(context, repeat)
             )
-            if self.num_batches is not None:
+            if self.num_batches is not None and not repeat:
                 # A worker's pipeline yields one element per LOCAL replica
                 # per global batch, and TF reports that count as the
                 # dataset's cardinality; Keras reads it as steps per epoch.
                 distributed._cardinality = self.num_batches
-            self._distributed = distributed
-        return self._distributed
+            self._distributed[repeat] = distributed
+        return self._distributed[repeat]
 
-    def _pipeline(self, input_context):
+    def _pipeline(self, input_context, repeat):
         local_replicas = self.num_replicas // input_context.num_input_pipelines
         first_replica = input_context.input_pipeline_id * local_replicas
         batches = self._examples.batch(self.global_batch_size)
+        if repeat:
+            batches = batches.repeat()
 
         def split(*batch):
             batch = batch[0] if len(batch) == 1 else batch
