@@ -184,7 +184,7 @@ class Keras3TrainerOverrides:
         # `strategy.reduce("MEAN", v, axis=0)` on scalar logs and fails with
         # "Invalid reduction dimension 0" (tensorflow#72388). HeteroModel's
         # steps return logs that are already global and identical on every
-        # replica, so replica 0's copy is the answer; everything else mirrors
+        # replica, so replica 0's copy is the answer; everything else is
         # Keras' own function (tf.function, jit_compile, steps_per_execution).
         strategy = self.distribute_strategy
 
@@ -201,23 +201,60 @@ class Keras3TrainerOverrides:
         steps_per_execution = int(self.steps_per_execution)
 
         def multi_step_on_iterator(iterator):
-            outputs = one_step_on_data(iterator.get_next())
+            # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
+            # above: run up to `steps_per_execution` steps while data lasts,
+            # never fetching a batch that the next call should get.
             if steps_per_execution == 1:
-                return outputs
+                return tf.experimental.Optional.from_value(
+                    one_step_on_data(iterator.get_next())
+                )
+            empty_outputs = tf.experimental.Optional.empty(None)
 
-            def body(step, outputs):
-                next_data = iterator.get_next_as_optional()
-                return tf.cond(
-                    next_data.has_value(),
-                    lambda: (step + 1, one_step_on_data(next_data.get_value())),
-                    lambda: (tf.constant(steps_per_execution), outputs),
+            def cond(step, optional_outputs, next_inputs):
+                return tf.logical_and(
+                    tf.less(step, steps_per_execution), next_inputs.has_value()
                 )
 
-            _, outputs = tf.while_loop(
-                lambda step, _: step < steps_per_execution,
+            def body(step, optional_outputs, next_inputs):
+                def has_next():
+                    outputs = tf.experimental.Optional.from_value(
+                        one_step_on_data(next_inputs.get_value())
+                    )
+                    empty_outputs._element_spec = outputs.element_spec
+                    return outputs
+
+                def no_has_next():
+                    optional_outputs._element_spec = empty_outputs._element_spec
+                    return optional_outputs
+
+                outputs = tf.cond(
+                    tf.logical_and(
+                        tf.less(step, steps_per_execution),
+                        next_inputs.has_value(),
+                    ),
+                    has_next,
+                    no_has_next,
+                )
+                return (
+                    step + 1,
+                    outputs,
+                    tf.cond(
+                        tf.less(step + 1, steps_per_execution),
+                        lambda: iterator.get_next_as_optional(),
+                        lambda: next_inputs,
+                    ),
+                )
+
+            _, outputs, _ = tf.while_loop(
+                cond,
                 body,
-                (tf.constant(1), outputs),
+                loop_vars=[
+                    tf.constant(0),
+                    empty_outputs,
+                    iterator.get_next_as_optional(),
+                ],
             )
+            outputs._element_spec = empty_outputs.element_spec
             return outputs
 
         if not self.run_eagerly:
@@ -229,7 +266,10 @@ class Keras3TrainerOverrides:
             if isinstance(
                 iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
             ):
-                return multi_step_on_iterator(iterator)
+                outputs = multi_step_on_iterator(iterator)
+                if not outputs.has_value():
+                    raise StopIteration
+                return outputs.get_value()
             outputs = None
             for _, data in zip(range(steps_per_execution), iterator):
                 outputs = one_step_on_data(data)

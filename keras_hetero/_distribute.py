@@ -47,9 +47,14 @@ def global_replica_devices(strategy):
 
 
 def replica_id():
-    """This replica's global index, as a Python int, inside `strategy.run`."""
+    """This replica's global index inside `strategy.run`.
+
+    A Python int where the strategy knows it while tracing (all strategies
+    keras_hetero supports), so no tensor from an outer graph is captured in
+    Keras' nested `while`/`cond` of `steps_per_execution`.
+    """
     context = tf.distribute.get_replica_context()
     if context is None:
         return 0
     value = tf.get_static_value(context.replica_id_in_sync_group)
-    return 0 if value is None else int(value)
+    return context.replica_id_in_sync_group if value is None else int(value)

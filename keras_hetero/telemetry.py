@@ -12,6 +12,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _distribute
+
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
@@ -66,8 +68,7 @@ def stats_vector(num_replicas, rows, seconds):
     """This replica's rows and seconds at its slots; a SUM gathers all."""
     # float32, the gradients' usual dtype, so it travels in their collective
     # (exact for up to 2**24 rows per step).
-    replica = tf.distribute.get_replica_context()
-    replica_id = 0 if replica is None else replica.replica_id_in_sync_group
+    replica_id = _distribute.replica_id()
     one_hot = tf.one_hot(replica_id, num_replicas, dtype=tf.float32)
     return tf.concat(
         [
@@ -98,8 +99,7 @@ class Telemetry:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="keras_hetero_telemetry",
             )
-        self._previous = None
-        self._current = None
+        self.reset()
 
     def record(self, gathered_stats):
         """Adds one step's gathered stats (call inside the replica step)."""

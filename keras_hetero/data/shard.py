@@ -63,6 +63,10 @@ class HeteroDataset:
             shares_lib.validate_shares(shares, self.num_replicas), from_batch
         )
 
+    def shares_for_batch(self, batch_index):
+        """The shares that split global batch `batch_index` (whole run)."""
+        return self._schedule.shares_at(batch_index).copy()
+
     @property
     def rows(self):
         """Rows each replica gets from a full global batch at current shares."""

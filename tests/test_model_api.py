@@ -1,0 +1,327 @@
+"""HeteroModel's user-facing surface: construction styles, saving, input and
+argument errors, telemetry, evaluate / predict."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import helpers
+import keras_hetero as kh
+from conftest import DEVICES
+from keras_hetero._compat import keras
+
+
+def test_from_model_shares_layers_and_trains_like_reference():
+    reference, _ = helpers.reference_fit()
+    base = keras.Sequential(
+        [
+            keras.Input((helpers.FEATURES,)),
+            keras.layers.Dense(4, activation="tanh"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model = helpers.compile_model(kh.HeteroModel.from_model(base))
+    model.set_weights(helpers.initial_weights())
+    model.fit(
+        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH),
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    # Layers (and so weights) are shared with the wrapped model.
+    helpers.assert_weights_close(base.get_weights(), model.get_weights())
+
+
+def test_from_model_rejects_models_without_symbolic_inputs():
+    with pytest.raises(ValueError, match="no symbolic inputs"):
+        kh.HeteroModel.from_model(keras.Sequential([keras.layers.Dense(1)]))
+
+
+class SubclassedModel(kh.HeteroModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def test_subclassing_works_after_functional_use_under_mirrored():
+    # A functional HeteroModel must not turn HeteroModel itself functional.
+    kh.HeteroModel(*helpers.layers())
+    reference, _ = helpers.reference_fit()
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.compile_model(SubclassedModel())
+        model(np.zeros((1, helpers.FEATURES), "float32"))
+        model.set_weights(helpers.initial_weights())
+    model.fit(
+        kh.data.shard(
+            helpers.examples(), helpers.GLOBAL_BATCH, shares=[0.25, 0.75],
+            strategy=strategy,
+        ),
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_functional_subclass_gets_a_clear_error():
+    class Functional(kh.HeteroModel):
+        def __init__(self):
+            super().__init__(*helpers.layers())
+
+    with pytest.raises(TypeError, match="from_model"):
+        Functional()
+
+
+def test_keras_file_round_trip(tmp_path):
+    model = helpers.hetero_model(gradient_compression="bf16", global_clipnorm=2.0)
+    model.fit(
+        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH),
+        epochs=1,
+        verbose=0,
+    )
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kh.HeteroModel)
+    assert type(loaded).__name__ == "HeteroModel"
+    config = loaded.get_config()
+    assert config["gradient_compression"] == "bf16"
+    assert config["global_clipnorm"] == 2.0
+    helpers.assert_weights_close(loaded.get_weights(), model.get_weights())
+    x, _, _, _ = helpers.arrays()
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
+    )
+
+
+def test_evaluate_and_predict_on_uneven_shards_match_reference():
+    reference, _ = helpers.reference_fit(epochs=1)
+    strategy = helpers.mirrored(DEVICES[:3])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    model.set_weights(reference.get_weights())
+    dataset = kh.data.shard(
+        helpers.examples(sample_weights=True),
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
+        shares=[0.5, 0.0, 0.5],
+    )
+    got = model.evaluate(dataset, return_dict=True, verbose=0)
+    want = reference.evaluate(
+        helpers.examples(sample_weights=True).batch(helpers.GLOBAL_BATCH),
+        return_dict=True,
+        verbose=0,
+    )
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["mae"] == pytest.approx(want["mae"], rel=1e-5)
+    x, _, _, _ = helpers.arrays()
+    np.testing.assert_allclose(
+        model.predict(dataset, verbose=0),
+        reference.predict(x, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def _record_stats(model, dataset):
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.model.step_stats)
+
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[Record()])
+    return seen
+
+
+def test_step_stats_cover_every_replica():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = kh.HeteroModel(*helpers.layers())
+        model.compile(optimizer="sgd", loss="mse")
+    assert model.step_stats is None
+    dataset = kh.data.shard(
+        helpers.examples(rows=64), 16, strategy=strategy, shares=[0.75, 0.25]
+    )
+    seen = _record_stats(model, dataset)
+    assert [s.step for s in seen] == [1, 2, 3, 4]
+    for stats in seen:
+        assert stats.steps == 1
+        assert stats.rows.tolist() == [12, 4]
+        assert np.all(stats.compute_seconds > 0)
+        assert len(stats.devices) == 2
+        assert stats.devices[1].endswith("CPU:1")
+
+
+def test_step_stats_sum_over_steps_per_execution():
+    model = kh.HeteroModel(*helpers.layers())
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    dataset = kh.data.shard(helpers.examples(rows=80), 16)
+    seen = _record_stats(model, dataset)
+    assert [s.steps for s in seen] == [2, 2, 1]
+    assert [s.step for s in seen] == [2, 4, 5]
+    assert [s.rows.tolist() for s in seen] == [[32], [32], [16]]
+
+
+def test_steps_per_execution_with_replicas():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = kh.HeteroModel(*helpers.layers())
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    dataset = kh.data.shard(
+        helpers.examples(rows=64), 16, strategy=strategy, shares=[0.75, 0.25]
+    )
+    if kh.FLAVOUR == "keras3":
+        with pytest.raises(NotImplementedError, match="steps_per_execution"):
+            model.fit(dataset, epochs=1, verbose=0)
+        return
+    seen = _record_stats(model, dataset)
+    assert [s.rows.tolist() for s in seen] == [[24, 8], [24, 8]]
+
+
+def test_compute_seconds_reflect_simulated_speed():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        inputs = keras.Input((helpers.FEATURES,))
+        slow = kh.testing.SimulatedSpeed([0.0, 0.01])(inputs)
+        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow))
+        model.compile(optimizer="sgd", loss="mse")
+    dataset = kh.data.shard(
+        helpers.examples(rows=32), 16, strategy=strategy
+    )
+    model.fit(dataset, epochs=1, verbose=0)
+    stats = model.step_stats
+    # Replica 1 sleeps 8 rows * 0.01 s inside its step; replica 0 does not.
+    assert stats.compute_seconds[1] >= 0.08
+    assert stats.compute_seconds[0] < stats.compute_seconds[1]
+
+
+def test_model_created_outside_scope_used_inside_is_an_error():
+    model = kh.HeteroModel(*helpers.layers())
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        with pytest.raises(ValueError, match="outside any strategy scope"):
+            model.compile(optimizer="sgd", loss="mse")
+
+
+def test_dataset_for_another_strategy_is_an_error():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    other = kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH)
+    with pytest.raises(ValueError, match="sharded for"):
+        model.fit(other, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"precision": "float8"}, ValueError, "precision='float8'"),
+        ({"gradient_compression": "int4"}, ValueError, "int4"),
+        ({"accumulation_steps": 0}, ValueError, "accumulation_steps=0"),
+        ({"pipeline_microbatches": -1}, ValueError, "pipeline_microbatches"),
+        ({"global_clipnorm": 0.0}, ValueError, "global_clipnorm=0.0"),
+        ({"communication": "ring"}, TypeError, "CommunicationOptions"),
+        ({"precision": "mixed_float16"}, NotImplementedError, "not available"),
+        ({"accumulation_steps": 4}, NotImplementedError, "not available"),
+    ],
+)
+def test_bad_model_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kh.HeteroModel(*helpers.layers(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "global_batch_size", [1, 0, 2.5, "16", True], ids=str
+)
+def test_global_batch_smaller_than_replicas_or_not_an_int(global_batch_size):
+    strategy = helpers.mirrored(DEVICES[:2])
+    with pytest.raises(ValueError, match="global_batch_size"):
+        kh.data.shard(
+            helpers.examples(), global_batch_size, strategy=strategy
+        )
+
+
+def test_bad_shares_and_examples():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with pytest.raises(ValueError, match="shares"):
+        kh.data.shard(helpers.examples(), 16, strategy=strategy, shares=[1.0])
+    dataset = kh.data.shard(helpers.examples(), 16, strategy=strategy)
+    for bad in ([-1.0, 2.0], [float("nan"), 1.0], [0.0, 0.0], [1, 1, 1]):
+        with pytest.raises(ValueError, match="shares"):
+            dataset.shares = bad
+    np.testing.assert_allclose(dataset.shares, [0.5, 0.5])  # unchanged
+    with pytest.raises(TypeError, match="tf.data.Dataset"):
+        kh.data.shard(np.zeros((4, 2)), 2)
+
+
+def test_gradient_compression_and_clipping_after_aggregation():
+    strategy = helpers.mirrored(DEVICES[:2])
+    clip = 0.05
+    reference = helpers.compile_model(keras.Model(*helpers.layers()))
+    reference.optimizer.global_clipnorm = clip
+    reference.set_weights(helpers.initial_weights())
+    reference.fit(
+        helpers.examples().batch(helpers.GLOBAL_BATCH), epochs=1, verbose=0
+    )
+    with strategy.scope():
+        model = helpers.hetero_model(global_clipnorm=clip)
+    model.fit(
+        kh.data.shard(
+            helpers.examples(), helpers.GLOBAL_BATCH, strategy=strategy,
+            shares=[0.8, 0.2],
+        ),
+        epochs=1,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+    with strategy.scope():
+        compressed = helpers.hetero_model(gradient_compression="bf16")
+    compressed.fit(
+        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH,
+                      strategy=strategy),
+        epochs=1,
+        verbose=0,
+    )
+    plain, _ = helpers.reference_fit(epochs=1)
+    # bf16 keeps 8 bits of mantissa: close, not equal.
+    helpers.assert_weights_close(
+        compressed.get_weights(), plain.get_weights(), rtol=0.05, atol=0.02
+    )
+
+
+def test_zero_row_replica_gets_no_nan():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model(regularizer=True)
+    model.fit(
+        kh.data.shard(helpers.examples(), 16, strategy=strategy,
+                      shares=[0.0, 1.0]),
+        epochs=1,
+        verbose=0,
+    )
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert model.step_stats.rows[0] == 0
+
+
+def test_as_distributed_dataset_for_custom_loops():
+    strategy = helpers.mirrored(DEVICES[:2])
+    dataset = kh.data.shard(
+        helpers.examples(), helpers.GLOBAL_BATCH, strategy=strategy,
+        shares=[0.25, 0.75],
+    )
+    distributed = dataset.as_distributed_dataset()
+    assert isinstance(distributed, tf.distribute.DistributedDataset)
+    rows = [
+        [int(tf.shape(part)[0]) for part in
+         strategy.experimental_local_results(x)]
+        for x, _ in distributed
+    ]
+    assert rows == [[4, 12]] * 4 + [[2, 6]]
