@@ -63,6 +63,21 @@ def init_functional(model, args, kwargs):
     Functional.__init__(model, *args, **kwargs)
 
 
+def functional_config(model, default_get_config):
+    """The Functional config (layers and wiring) of a functional HeteroModel.
+
+    tf-keras only writes the layer graph for classes whose `__init__` has
+    exactly Functional's arguments; HeteroModel's takes `*args, **kwargs`.
+    """
+    if IS_LEGACY:
+        from tf_keras.src.engine import functional
+
+        return functional.get_network_config(
+            model, config={"name": model.name, "trainable": model.trainable}
+        )
+    return default_get_config()
+
+
 def model_strategy(model):
     """The strategy `model` was created under, or None."""
     if IS_LEGACY:

@@ -305,6 +305,16 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         return super().predict(self._as_input(x), *args, **kwargs)
 
     def _check_strategy(self, method):
+        strategy = self.distribute_strategy
+        if not _compat.IS_LEGACY and _distribute.is_parameter_server(strategy):
+            raise NotImplementedError(
+                f"`{self.name}.{method}()` under ParameterServerStrategy is "
+                f"not supported on Keras {_compat.KERAS_VERSION}: Keras 3 has "
+                "no ClusterCoordinator path (stock `fit` fails with 'To use "
+                "this dataset, you need to pass this dataset to "
+                "ClusterCoordinator.create_per_worker_dataset'). Use tf-keras "
+                "(TF_USE_LEGACY_KERAS=1), or MultiWorkerMirroredStrategy."
+            )
         if (
             not _compat.IS_LEGACY
             and method in ("fit", "evaluate")
@@ -365,6 +375,26 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
     """The class of functional HeteroModels (`HeteroModel(inputs, outputs)`)."""
 
+    def get_config(self):
+        config = _compat.functional_config(
+            self, super(HeteroModel, self).get_config
+        )
+        config.update(self._hetero.config())
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        settings = {
+            name: config.pop(name)
+            for name in _HeteroState.SERIALISED
+            if name in config
+        }
+        model = super().from_config(config, custom_objects=custom_objects)
+        _check_options(**{**_HeteroState.DEFAULTS, **settings})
+        model._hetero = _HeteroState(**{**_HeteroState.DEFAULTS, **settings})
+        return model
+
 
 _FunctionalHeteroModel.__name__ = "HeteroModel"
 _FunctionalHeteroModel.__qualname__ = "HeteroModel"
@@ -373,6 +403,17 @@ _FunctionalHeteroModel.__qualname__ = "HeteroModel"
 class _HeteroState:
     """HeteroModel settings and run-time objects, kept out of Keras tracking."""
 
+    DEFAULTS = {
+        "precision": None,
+        "gradient_compression": None,
+        "accumulation_steps": 1,
+        "pipeline_microbatches": 1,
+        "communication": None,
+        "global_clipnorm": None,
+    }
+    # CommunicationOptions is not serialisable; it is a run-time choice.
+    SERIALISED = tuple(name for name in DEFAULTS if name != "communication")
+
     def __init__(self, **settings):
         self.settings = settings
         for name, value in settings.items():
@@ -380,10 +421,7 @@ class _HeteroState:
         self.telemetry = None
 
     def config(self):
-        config = dict(self.settings)
-        # CommunicationOptions is not serialisable; it is a run-time choice.
-        config.pop("communication")
-        return config
+        return {name: self.settings[name] for name in self.SERIALISED}
 
 
 def _check_options(

@@ -65,3 +65,69 @@ def seen_ids_mwms(shares, epochs=1):
             local = strategy.experimental_local_results(batch)
             seen.append([np.asarray(part).tolist() for part in local])
     return seen
+
+
+def pss_server(cluster, job, index):
+    """A ParameterServerStrategy worker or ps server; runs until killed."""
+    import os
+
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(cluster),
+        job_name=job,
+        task_index=index,
+        protocol="grpc",
+        start=True,
+    )
+    server.join()
+
+
+def pss_coordinator(cluster, queue):
+    """Fits a HeteroModel under ParameterServerStrategy; reports to `queue`."""
+    import os
+
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    try:
+        import tensorflow as tf
+
+        import helpers
+        import keras_hetero as kh
+        from keras_hetero._compat import keras
+
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), rpc_layer="grpc"
+        )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+        def dataset_fn(input_context):
+            return helpers.examples().repeat().batch(8)
+
+        try:
+            with strategy.scope():
+                model = helpers.hetero_model()
+            history = model.fit(
+                keras.utils.experimental.DatasetCreator(dataset_fn)
+                if kh.FLAVOUR == "tf-keras"
+                else dataset_fn,
+                epochs=2,
+                steps_per_epoch=5,
+                verbose=0,
+            )
+        except NotImplementedError as error:
+            queue.put(("not_implemented", str(error)))
+            return
+        queue.put(
+            (
+                "ok",
+                {
+                    "loss": history.history["loss"],
+                    "iterations": int(model.optimizer.iterations.numpy()),
+                },
+            )
+        )
+    except BaseException as error:  # report, never hang the test
+        import traceback
+
+        queue.put(("error", f"{error!r}\n{traceback.format_exc()}"))

@@ -1,0 +1,45 @@
+# Set-up and everyday commands. Each target installs what it needs into
+# .venv, so a fresh machine needs only python3 (>= 3.10) and make.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: install demo test test-quick test-keras3 test-legacy lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main demo: HeteroModel on simulated unequal devices.
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+## The whole suite, Keras 3 then tf-keras (what CI runs).
+test: test-keras3 test-legacy
+
+test-keras3: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+test-legacy: $(STAMP)
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest tests
+
+## Without the slow multi-process tests, Keras 3 only.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check keras_hetero tests benchmarks examples
+	$(BIN)/ruff format --check keras_hetero tests benchmarks examples
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
