@@ -7,7 +7,9 @@ def logical_cpus(n):
     """Splits the host CPU into `n` logical devices and returns their names.
 
     Must run before TensorFlow initialises its devices (before the first op).
-    Calling it again with the same `n` is fine.
+    Calling it again with the same `n` is fine. Also raises TensorFlow's
+    inter-op thread pool to at least `n + 2` threads, so that replicas slowed
+    by `SimulatedSpeed` sleep concurrently, as real devices would work.
 
     Args:
         n: How many logical CPU devices, at least 1.
@@ -35,6 +37,12 @@ def logical_cpus(n):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * n
         )
+        # Each replica's SimulatedSpeed sleep blocks one inter-op thread; on a
+        # 2-core machine TF's default pool (one per core) would run only two
+        # replicas' sleeps at a time instead of all n.
+        threads = tf.config.threading.get_inter_op_parallelism_threads()
+        if threads < n + 2:
+            tf.config.threading.set_inter_op_parallelism_threads(n + 2)
     except RuntimeError:
         existing = tf.config.list_logical_devices("CPU")
         if len(existing) != n:

@@ -79,9 +79,10 @@ class SimulatedSpeed(keras.layers.Layer):
 
     def call(self, inputs):
         replica = _distribute.replica_id()
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.devices:
-            self._device_by_replica[replica] = context.devices[0]
+        if isinstance(replica, int):
+            strategy = tf.distribute.get_strategy()
+            devices = _distribute.global_replica_devices(strategy)
+            self._device_by_replica[replica] = devices[replica]
         first = tf.nest.flatten(inputs)[0]
         rows = tf.shape(first)[0]
         delay = tf.numpy_function(
