@@ -70,9 +70,7 @@ def main():
 
     with strategy.scope():
         stock = build(keras.Model)
-    stock_rate = samples_per_second(
-        stock, examples.batch(GLOBAL_BATCH)
-    )
+    stock_rate = samples_per_second(stock, examples.batch(GLOBAL_BATCH))
 
     with strategy.scope():
         model = build(kh.HeteroModel)
@@ -84,7 +82,9 @@ def main():
 
     print("keras-hetero demo: 3 replicas, SIMULATED speeds 1 : 2 : 4")
     print(f"measured seconds/row per replica: {np.round(seconds_per_row, 5)}")
-    print(f"shares set from them: {np.round(data.shares, 3)}  rows: {data.rows}")
+    print(
+        f"shares set from them: {np.round(data.shares, 3)}  rows: {data.rows}"
+    )
     print()
     print(f"{'setup':<34}{'samples/s':>10}{'% of ideal':>12}")
     for name, rate in (
@@ -101,8 +101,9 @@ def main():
         check = build(kh.HeteroModel)
     check.set_weights(model.get_weights())
     check.fit(
-        kh.data.shard(examples, GLOBAL_BATCH, strategy=strategy,
-                      shares=data.shares),
+        kh.data.shard(
+            examples, GLOBAL_BATCH, strategy=strategy, shares=data.shares
+        ),
         epochs=1,
         verbose=0,
     )

@@ -294,7 +294,7 @@ class Keras3TrainerOverrides:
 
 
 def first_local_values(strategy, structure):
-    """Replaces each distributed value in `structure` by its first local part."""
+    """Replaces distributed values in `structure` by their first local part."""
 
     def first(value):
         if isinstance(value, tf.distribute.DistributedValues):

@@ -14,9 +14,10 @@ def is_parameter_server(strategy):
 
 
 def is_multi_worker(strategy):
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
 
 
 def global_replica_devices(strategy):
@@ -26,7 +27,10 @@ def global_replica_devices(strategy):
     other workers' names are derived from this worker's by task index (all
     workers of such a job have the same local devices).
     """
-    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+    if (
+        strategy is tf.distribute.get_strategy()
+        and not tf.distribute.has_strategy()
+    ):
         # The default strategy runs where TensorFlow places ops by default.
         logical = tf.config.list_logical_devices("GPU") or (
             tf.config.list_logical_devices("CPU")

@@ -88,7 +88,7 @@ def divide(grads, denominator):
 
 
 def clip_by_global_norm(grads, clipnorm):
-    """Clips the aggregated gradients to global norm `clipnorm` (None: no-op)."""
+    """Clips aggregated gradients to global norm `clipnorm` (None: no-op)."""
     if clipnorm is None:
         return grads
     present = [g for g in grads if g is not None]

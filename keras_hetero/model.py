@@ -153,7 +153,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             inputs = outputs = None
         if not inputs or not outputs:
             raise ValueError(
-                f"Invalid value for argument `model`. Received: model={model!r} "
+                "Invalid value for argument `model`. "
+                f"Received: model={model!r} "
                 "with no symbolic inputs. Expected a functional model or a "
                 "Sequential model that starts with `keras.Input(...)`. For a "
                 "subclassed model, subclass `kh.HeteroModel` instead."

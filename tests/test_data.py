@@ -1,18 +1,19 @@
 """kh.data.shard on one worker: contiguous, exactly-once slices by shares."""
 
+import helpers
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import helpers
-import keras_hetero as kh
 from conftest import DEVICES
+
+import keras_hetero as kh
 
 
 def _ids_dataset(strategy, shares, rows=helpers.ROWS):
     ids = tf.data.Dataset.from_tensor_slices(np.arange(rows, dtype="int64"))
-    return kh.data.shard(ids, helpers.GLOBAL_BATCH, strategy=strategy,
-                         shares=shares)
+    return kh.data.shard(
+        ids, helpers.GLOBAL_BATCH, strategy=strategy, shares=shares
+    )
 
 
 def _slices(strategy, distributed):

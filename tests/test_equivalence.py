@@ -1,12 +1,12 @@
 """The core promise: HeteroModel under any synchronous strategy and any share
 split trains exactly like one device on the concatenated global batches."""
 
+import helpers
 import pytest
 import tensorflow as tf
-
-import helpers
-import keras_hetero as kh
 from conftest import DEVICES
+
+import keras_hetero as kh
 
 
 def _strategies():
@@ -31,14 +31,18 @@ SHARES = {
 
 CASES = []
 for strategy_name, make in _strategies().items():
-    replicas = 3 if strategy_name == "mirrored3" else (
-        2 if strategy_name.endswith("2") else 1
+    replicas = (
+        3
+        if strategy_name == "mirrored3"
+        else (2 if strategy_name.endswith("2") else 1)
     )
     for shares_name, shares in SHARES[replicas].items():
         for variant in ("plain", "weighted_regularized"):
             CASES.append(
                 pytest.param(
-                    make, shares, variant,
+                    make,
+                    shares,
+                    variant,
                     id=f"{strategy_name}-{shares_name}-{variant}",
                 )
             )
@@ -62,9 +66,7 @@ def test_weights_equal_single_device(make_strategy, shares, variant):
     history = model.fit(dataset, epochs=2, verbose=0)
 
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
-    if isinstance(
-        strategy, tf.distribute.experimental.CentralStorageStrategy
-    ):
+    if isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
         # Upstream: metrics under CentralStorageStrategy are not aggregated
         # correctly by stock Keras either (docs/strategies.md).
         return

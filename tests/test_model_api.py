@@ -3,13 +3,13 @@ argument errors, telemetry, evaluate / predict."""
 
 import os
 
+import helpers
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import helpers
-import keras_hetero as kh
 from conftest import DEVICES
+
+import keras_hetero as kh
 from keras_hetero._compat import keras
 
 
@@ -60,7 +60,9 @@ def test_subclassing_works_after_functional_use_under_mirrored():
         model.set_weights(helpers.initial_weights())
     model.fit(
         kh.data.shard(
-            helpers.examples(), helpers.GLOBAL_BATCH, shares=[0.25, 0.75],
+            helpers.examples(),
+            helpers.GLOBAL_BATCH,
+            shares=[0.25, 0.75],
             strategy=strategy,
         ),
         epochs=2,
@@ -79,7 +81,9 @@ def test_functional_subclass_gets_a_clear_error():
 
 
 def test_keras_file_round_trip(tmp_path):
-    model = helpers.hetero_model(gradient_compression="bf16", global_clipnorm=2.0)
+    model = helpers.hetero_model(
+        gradient_compression="bf16", global_clipnorm=2.0
+    )
     model.fit(
         kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH),
         epochs=1,
@@ -192,9 +196,7 @@ def test_compute_seconds_reflect_simulated_speed():
         slow = kh.testing.SimulatedSpeed([0.0, 0.01])(inputs)
         model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow))
         model.compile(optimizer="sgd", loss="mse")
-    dataset = kh.data.shard(
-        helpers.examples(rows=32), 16, strategy=strategy
-    )
+    dataset = kh.data.shard(helpers.examples(rows=32), 16, strategy=strategy)
     model.fit(dataset, epochs=1, verbose=0)
     stats = model.step_stats
     # Replica 1 sleeps 8 rows * 0.01 s inside its step; replica 0 does not.
@@ -237,15 +239,11 @@ def test_bad_model_arguments(kwargs, error, match):
         kh.HeteroModel(*helpers.layers(), **kwargs)
 
 
-@pytest.mark.parametrize(
-    "global_batch_size", [1, 0, 2.5, "16", True], ids=str
-)
+@pytest.mark.parametrize("global_batch_size", [1, 0, 2.5, "16", True], ids=str)
 def test_global_batch_smaller_than_replicas_or_not_an_int(global_batch_size):
     strategy = helpers.mirrored(DEVICES[:2])
     with pytest.raises(ValueError, match="global_batch_size"):
-        kh.data.shard(
-            helpers.examples(), global_batch_size, strategy=strategy
-        )
+        kh.data.shard(helpers.examples(), global_batch_size, strategy=strategy)
 
 
 def test_bad_shares_and_examples():
@@ -274,7 +272,9 @@ def test_gradient_compression_and_clipping_after_aggregation():
         model = helpers.hetero_model(global_clipnorm=clip)
     model.fit(
         kh.data.shard(
-            helpers.examples(), helpers.GLOBAL_BATCH, strategy=strategy,
+            helpers.examples(),
+            helpers.GLOBAL_BATCH,
+            strategy=strategy,
             shares=[0.8, 0.2],
         ),
         epochs=1,
@@ -285,8 +285,9 @@ def test_gradient_compression_and_clipping_after_aggregation():
     with strategy.scope():
         compressed = helpers.hetero_model(gradient_compression="bf16")
     compressed.fit(
-        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH,
-                      strategy=strategy),
+        kh.data.shard(
+            helpers.examples(), helpers.GLOBAL_BATCH, strategy=strategy
+        ),
         epochs=1,
         verbose=0,
     )
@@ -302,8 +303,9 @@ def test_zero_row_replica_gets_no_nan():
     with strategy.scope():
         model = helpers.hetero_model(regularizer=True)
     model.fit(
-        kh.data.shard(helpers.examples(), 16, strategy=strategy,
-                      shares=[0.0, 1.0]),
+        kh.data.shard(
+            helpers.examples(), 16, strategy=strategy, shares=[0.0, 1.0]
+        ),
         epochs=1,
         verbose=0,
     )
@@ -314,14 +316,18 @@ def test_zero_row_replica_gets_no_nan():
 def test_as_distributed_dataset_for_custom_loops():
     strategy = helpers.mirrored(DEVICES[:2])
     dataset = kh.data.shard(
-        helpers.examples(), helpers.GLOBAL_BATCH, strategy=strategy,
+        helpers.examples(),
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
         shares=[0.25, 0.75],
     )
     distributed = dataset.as_distributed_dataset()
     assert isinstance(distributed, tf.distribute.DistributedDataset)
     rows = [
-        [int(tf.shape(part)[0]) for part in
-         strategy.experimental_local_results(x)]
+        [
+            int(tf.shape(part)[0])
+            for part in strategy.experimental_local_results(x)
+        ]
         for x, _ in distributed
     ]
     assert rows == [[4, 12]] * 4 + [[2, 6]]

@@ -1,11 +1,11 @@
 """MultiWorkerMirroredStrategy with real worker processes on 127.0.0.1."""
 
+import helpers
 import numpy as np
 import pytest
-
-import helpers
-import keras_hetero as kh
 import workers_lib
+
+import keras_hetero as kh
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,12 @@ def test_each_example_reaches_exactly_one_replica_once():
     seen = []
     for step_parts in zip(*per_worker):
         # Global replica order: worker 0's rows come first in each batch.
-        batch = [row for worker_parts in step_parts for part in worker_parts
-                 for row in part]
+        batch = [
+            row
+            for worker_parts in step_parts
+            for part in worker_parts
+            for row in part
+        ]
         assert batch == sorted(batch)
         seen.extend(batch)
     assert sorted(seen) == list(range(helpers.ROWS))

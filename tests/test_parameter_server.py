@@ -6,9 +6,9 @@ import multiprocessing
 
 import numpy as np
 import pytest
+import workers_lib
 
 import keras_hetero as kh
-import workers_lib
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,8 @@ def _run_cluster():
     context = multiprocessing.get_context("spawn")
     servers = [
         context.Process(
-            target=workers_lib.pss_server, args=(cluster, job, index),
+            target=workers_lib.pss_server,
+            args=(cluster, job, index),
             daemon=True,
         )
         for job, index in (("worker", 0), ("worker", 1), ("ps", 0))

@@ -49,7 +49,9 @@ def test_largest_remainder_sums_exactly_and_stays_within_one_row():
     rng = np.random.default_rng(0)
     for _ in range(500):
         replicas = int(rng.integers(1, 9))
-        raw = rng.uniform(0, 1, size=replicas) * (rng.uniform(size=replicas) > 0.2)
+        raw = rng.uniform(0, 1, size=replicas) * (
+            rng.uniform(size=replicas) > 0.2
+        )
         if raw.sum() == 0:
             raw[0] = 1.0
         shares = shares_lib.validate_shares(raw, replicas)

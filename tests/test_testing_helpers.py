@@ -12,8 +12,10 @@ def test_simulated_speed_per_replica_list_float_and_device_dict():
     assert listed.seconds_for(5) == 0.0
     by_device = kh.testing.SimulatedSpeed({"CPU:1": 0.003})
     by_device._device_by_replica.update(
-        {0: "/job:localhost/replica:0/task:0/device:CPU:0",
-         1: "/job:localhost/replica:0/task:0/device:CPU:1"}
+        {
+            0: "/job:localhost/replica:0/task:0/device:CPU:0",
+            1: "/job:localhost/replica:0/task:0/device:CPU:1",
+        }
     )
     assert by_device.seconds_for(0) == 0.0
     assert by_device.seconds_for(1) == 0.003

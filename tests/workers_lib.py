@@ -6,9 +6,9 @@ They are module-level (picklable) and import TensorFlow only when called.
 
 def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
     """Fit / evaluate / predict a HeteroModel under MultiWorkerMirrored."""
+    import helpers
     import tensorflow as tf
 
-    import helpers
     import keras_hetero as kh
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -47,10 +47,10 @@ def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
 
 def seen_ids_mwms(shares, epochs=1):
     """The example ids each replica of this worker received, per step."""
+    import helpers
     import numpy as np
     import tensorflow as tf
 
-    import helpers
     import keras_hetero as kh
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -90,9 +90,9 @@ def pss_coordinator(cluster, queue):
 
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     try:
+        import helpers
         import tensorflow as tf
 
-        import helpers
         import keras_hetero as kh
         from keras_hetero._compat import keras
 

@@ -1,6 +1,8 @@
 """Input: global batches split across replicas by moving shares."""
 
-from keras_hetero.data.shard import HeteroDataset, shard
-from keras_hetero.data.shares import rows_from_shares, validate_shares
+from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.data.shard import shard
+from keras_hetero.data.shares import rows_from_shares
+from keras_hetero.data.shares import validate_shares
 
 __all__ = ["HeteroDataset", "rows_from_shares", "shard", "validate_shares"]

@@ -128,7 +128,9 @@ class HeteroDataset:
             for replica in range(first_replica, first_replica + local_replicas):
                 start, end = bounds[replica], bounds[replica + 1]
                 slices.append(
-                    tf.nest.map_structure(lambda t: t[start:end], batch)
+                    tf.nest.map_structure(
+                        lambda t, start=start, end=end: t[start:end], batch
+                    )
                 )
             return tuple(slices)
 

@@ -44,13 +44,15 @@ def validate_shares(shares, num_replicas):
         )
     if not np.all(np.isfinite(values)) or np.any(values < 0):
         raise ValueError(
-            f"Invalid value for argument `shares`. Received: shares={shares!r}. "
+            "Invalid value for argument `shares`. "
+            f"Received: shares={shares!r}. "
             "Expected finite, non-negative numbers."
         )
     total = values.sum()
     if total <= 0:
         raise ValueError(
-            f"Invalid value for argument `shares`. Received: shares={shares!r}. "
+            "Invalid value for argument `shares`. "
+            f"Received: shares={shares!r}. "
             "Expected at least one positive share (they sum to 0)."
         )
     return values / total

@@ -4,12 +4,10 @@ figure comes from it."""
 
 from keras_hetero.testing.devices import logical_cpus
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
-from keras_hetero.testing.workers import (
-    WorkerError,
-    WorkerResult,
-    free_ports,
-    run_workers,
-)
+from keras_hetero.testing.workers import WorkerError
+from keras_hetero.testing.workers import WorkerResult
+from keras_hetero.testing.workers import free_ports
+from keras_hetero.testing.workers import run_workers
 
 __all__ = [
     "SimulatedSpeed",

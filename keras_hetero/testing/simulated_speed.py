@@ -58,7 +58,9 @@ class SimulatedSpeed(keras.layers.Layer):
     @seconds_per_row.setter
     def seconds_per_row(self, value):
         if isinstance(value, dict):
-            checked = {str(k): _non_negative(v, value) for k, v in value.items()}
+            checked = {
+                str(k): _non_negative(v, value) for k, v in value.items()
+            }
         elif isinstance(value, (list, tuple, np.ndarray)):
             checked = [_non_negative(v, value) for v in value]
         else:
@@ -126,7 +128,8 @@ def _match_device(table, device):
             key if key.startswith("/") else "/device:" + key
         )
         if (
-            (wanted.device_type or "").upper() == (spec.device_type or "").upper()
+            (wanted.device_type or "").upper()
+            == (spec.device_type or "").upper()
             and wanted.device_index == spec.device_index
             and (wanted.task is None or wanted.task == spec.task)
         ):

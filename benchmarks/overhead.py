@@ -1,0 +1,98 @@
+"""HeteroModel vs stock keras.Model step time under MirroredStrategy.
+
+Two logical CPUs, equal shares, the same model and data. The two models run
+alternately in one process (several rounds), and we report the median step
+time of each and their ratio. Target: ratio <= 1.03.
+
+Run: `make bench` (or `python benchmarks/overhead.py`).
+"""
+
+import argparse
+import datetime
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_hetero as kh  # noqa: E402
+from keras_hetero._compat import keras  # noqa: E402
+
+DEVICES = kh.testing.logical_cpus(2)
+GLOBAL_BATCH = 256
+STEPS = 40
+
+
+class StepTimer(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.last, self.seconds = None, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if self.last is not None:
+            self.seconds.append(now - self.last)
+        self.last = now
+
+
+def build(model_class, strategy):
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(256, activation="relu")(inputs)
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+        model = model_class(inputs, keras.layers.Dense(10)(hidden))
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(GLOBAL_BATCH * STEPS,)).astype("int32")
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    runs = {
+        "stock keras.Model": (
+            build(keras.Model, strategy),
+            examples.batch(GLOBAL_BATCH),
+        ),
+        "kh.HeteroModel": (
+            build(kh.HeteroModel, strategy),
+            kh.data.shard(examples, GLOBAL_BATCH, strategy=strategy),
+        ),
+    }
+    seconds = {name: [] for name in runs}
+    for model, data in runs.values():  # warm-up: tracing
+        model.fit(data, epochs=1, verbose=0)
+    for _ in range(args.rounds):
+        for name, (model, data) in runs.items():
+            timer = StepTimer()
+            model.fit(data, epochs=1, verbose=0, callbacks=[timer])
+            seconds[name].extend(timer.seconds)
+    median = {
+        name: float(np.median(values)) for name, values in seconds.items()
+    }
+    base = median["stock keras.Model"]
+    print(
+        f"overhead benchmark, {datetime.date.today()}, Keras flavour "
+        f"{kh.FLAVOUR}, MirroredStrategy on 2 logical CPUs, equal shares, "
+        f"global batch {GLOBAL_BATCH}, {args.rounds} alternating rounds of "
+        f"{STEPS} steps"
+    )
+    print()
+    print("| model | median step (ms) | ratio to stock |")
+    print("|---|---:|---:|")
+    for name, value in median.items():
+        print(f"| {name} | {1000 * value:.2f} | {value / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
