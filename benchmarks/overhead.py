@@ -10,7 +10,6 @@ Run: `make bench` (or `python benchmarks/overhead.py`).
 import argparse
 import datetime
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,17 +22,6 @@ from keras_hetero._compat import keras  # noqa: E402
 DEVICES = kh.testing.logical_cpus(2)
 GLOBAL_BATCH = 256
 STEPS = 40
-
-
-class StepTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.last, self.seconds = None, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
-        if self.last is not None:
-            self.seconds.append(now - self.last)
-        self.last = now
 
 
 def build(model_class, strategy):
@@ -74,7 +62,7 @@ def main():
         model.fit(data, epochs=1, verbose=0)
     for _ in range(args.rounds):
         for name, (model, data) in runs.items():
-            timer = StepTimer()
+            timer = kh.testing.StepTimer()
             model.fit(data, epochs=1, verbose=0, callbacks=[timer])
             seconds[name].extend(timer.seconds)
     median = {

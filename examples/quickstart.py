@@ -12,7 +12,6 @@ Run: `make demo` (or `python examples/quickstart.py`). About a minute on
 """
 
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -44,23 +43,10 @@ def build(model_class):
     return model
 
 
-class StepTimer(keras.callbacks.Callback):
-    """Wall time between consecutive train batches (steady state)."""
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.last, self.seconds = None, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
-        if self.last is not None:
-            self.seconds.append(now - self.last)
-        self.last = now
-
-
 def samples_per_second(model, data):
-    timer = StepTimer()
+    timer = kh.testing.StepTimer()
     model.fit(data, epochs=1, verbose=0, callbacks=[timer])
-    return GLOBAL_BATCH / float(np.median(timer.seconds))
+    return GLOBAL_BATCH / timer.median()
 
 
 def main():

@@ -78,3 +78,19 @@ def test_run_workers_rejects_bad_counts():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="num_workers"):
             kh.testing.run_workers(_report, bad)
+
+
+def test_step_timer_times_every_step_after_the_first():
+    import helpers
+
+    model = helpers.hetero_model()
+    timer = kh.testing.StepTimer()
+    model.fit(
+        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH),
+        epochs=2,
+        verbose=0,
+        callbacks=[timer],
+    )
+    assert len(timer.seconds) == 2 * 5 - 1
+    assert all(seconds > 0 for seconds in timer.seconds)
+    assert timer.median() > 0

@@ -4,6 +4,7 @@ figure comes from it."""
 
 from keras_hetero.testing.devices import logical_cpus
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
+from keras_hetero.testing.step_timer import StepTimer
 from keras_hetero.testing.workers import WorkerError
 from keras_hetero.testing.workers import WorkerResult
 from keras_hetero.testing.workers import free_ports
@@ -11,6 +12,7 @@ from keras_hetero.testing.workers import run_workers
 
 __all__ = [
     "SimulatedSpeed",
+    "StepTimer",
     "WorkerError",
     "WorkerResult",
     "free_ports",
