@@ -4,6 +4,7 @@ Import as `import keras_hetero as kh`. The Keras flavour (Keras 3 or tf-keras)
 follows TensorFlow's own switch, `TF_USE_LEGACY_KERAS`.
 """
 
+from keras_hetero import callbacks
 from keras_hetero import data
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
@@ -12,4 +13,11 @@ from keras_hetero.telemetry import StepStats
 
 __version__ = "0.1.0"
 
-__all__ = ["FLAVOUR", "HeteroModel", "StepStats", "data", "testing"]
+__all__ = [
+    "FLAVOUR",
+    "HeteroModel",
+    "StepStats",
+    "callbacks",
+    "data",
+    "testing",
+]

@@ -59,9 +59,9 @@ def test_share_changes_mid_epoch_keep_every_example_exactly_once():
     # A change applies from the next batch the pipeline has not split yet:
     # never to a batch already handed out.
     for step, start in starts.items():
-        assert start > step
+        assert start[1] > step
     for index, split in enumerate(rows):
-        shares = dataset.shares_for_batch(index)
+        shares = dataset.shares_for_batch((0, index))
         assert split == kh.data.rows_from_shares(shares, 16).tolist()
 
 
@@ -69,13 +69,20 @@ def test_from_batch_pins_the_change_to_a_global_batch_index():
     strategy = helpers.mirrored(DEVICES[:2])
     dataset = _ids_dataset(strategy, [0.5, 0.5], rows=96)
     start = dataset.set_shares([0.75, 0.25], from_batch=3)
-    assert start == 3
+    assert start == (0, 3)
     rows = [
         [len(p) for p in parts]
         for parts in _slices(strategy, dataset.as_distributed_dataset())
     ]
     assert rows == [[8, 8]] * 3 + [[12, 4]] * 3
-    assert dataset.batches_split == 6
+    assert dataset.position == (0, 6)
+    # A second pass starts again at index 0 and keeps the latest split.
+    again = [
+        [len(p) for p in parts]
+        for parts in _slices(strategy, dataset.as_distributed_dataset())
+    ]
+    assert again == [[12, 4]] * 6
+    assert dataset.passes_started == 2
 
 
 def test_sample_weighted_and_dict_examples_are_split_alike():
@@ -93,3 +100,24 @@ def test_sample_weighted_and_dict_examples_are_split_alike():
     np.testing.assert_array_equal(sample_weight[1], weights[12:16])
     assert dataset.rows.tolist() == [12, 4]
     assert dataset.num_batches == 5
+
+
+def test_map_fn_runs_after_the_split_on_each_slice():
+    strategy = helpers.mirrored(DEVICES[:2])
+    x, y, _, _ = helpers.arrays()
+    calls = []
+
+    def scale(features, labels):
+        calls.append(1)  # traced once; the map runs per slice
+        return features * 2.0, labels
+
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    dataset = kh.data.shard(
+        examples, 16, strategy=strategy, shares=[3, 1], map_fn=scale
+    )
+    first = next(iter(dataset.as_distributed_dataset()))
+    features = strategy.experimental_local_results(first[0])
+    np.testing.assert_allclose(features[0], x[:12] * 2.0)
+    np.testing.assert_allclose(features[1], x[12:16] * 2.0)
+    with pytest.raises(TypeError, match="map_fn"):
+        kh.data.shard(examples, 16, map_fn="decode")

@@ -62,26 +62,48 @@ def test_largest_remainder_sums_exactly_and_stays_within_one_row():
         assert np.all(np.abs(rows - shares * total) < 1.0)
 
 
+def _split(schedule, indices, rows=8):
+    return [schedule.next_bounds(i, rows).tolist() for i in indices]
+
+
 def test_schedule_applies_changes_from_the_named_batch():
     schedule = shares_lib.ShareSchedule(np.array([0.5, 0.5]))
-    schedule.set_shares(np.array([0.75, 0.25]), from_batch=2)
-    bounds = [schedule.next_bounds(8).tolist() for _ in range(4)]
-    assert bounds == [[0, 4, 8], [0, 4, 8], [0, 6, 8], [0, 6, 8]]
-    assert schedule.produced == 4
+    schedule.set_shares(np.array([0.75, 0.25]), at=(0, 2))
+    assert _split(schedule, range(4)) == [
+        [0, 4, 8],
+        [0, 4, 8],
+        [0, 6, 8],
+        [0, 6, 8],
+    ]
+    assert schedule.position == (0, 4)
 
 
-def test_schedule_default_change_applies_to_next_unsplit_batch():
+def test_passes_restart_the_index_and_changes_carry_over():
     schedule = shares_lib.ShareSchedule(np.array([0.5, 0.5]))
-    schedule.next_bounds(4)
-    start = schedule.set_shares(np.array([1.0, 0.0]))
-    assert start == 1
-    assert schedule.next_bounds(4).tolist() == [0, 4, 4]
-    np.testing.assert_allclose(schedule.shares_at(0), [0.5, 0.5])
+    _split(schedule, range(3))
+    schedule.set_shares(np.array([1.0, 0.0]), at=(0, 5))  # past pass 0's end
+    assert _split(schedule, range(2)) == [[0, 8, 8], [0, 8, 8]]
+    assert schedule.passes_started == 2
+    assert schedule.position == (1, 2)
 
 
-def test_later_change_replaces_pending_ones():
+def test_default_change_applies_to_next_unsplit_batch_never_back():
     schedule = shares_lib.ShareSchedule(np.array([0.5, 0.5]))
-    schedule.set_shares(np.array([1.0, 0.0]), from_batch=5)
-    schedule.set_shares(np.array([0.0, 1.0]), from_batch=3)
-    np.testing.assert_allclose(schedule.shares_at(6), [0.0, 1.0])
+    _split(schedule, range(2))
+    assert schedule.set_shares(np.array([1.0, 0.0])) == (0, 2)
+    # An index already split is moved forward, not applied retroactively.
+    assert schedule.set_shares(np.array([0.0, 1.0]), at=(0, 1)) == (0, 2)
+    assert _split(schedule, [2]) == [[0, 0, 8]]
+    np.testing.assert_allclose(schedule.shares_at((0, 1)), [0.5, 0.5])
+
+
+def test_later_change_replaces_pending_ones_and_state_round_trips():
+    schedule = shares_lib.ShareSchedule(np.array([0.5, 0.5]))
+    schedule.set_shares(np.array([1.0, 0.0]), at=(0, 5))
+    schedule.set_shares(np.array([0.0, 1.0]), at=(0, 3))
+    np.testing.assert_allclose(schedule.shares_at((0, 6)), [0.0, 1.0])
     np.testing.assert_allclose(schedule.latest(), [0.0, 1.0])
+    restored = shares_lib.ShareSchedule(np.array([0.5, 0.5]))
+    restored.set_state(schedule.get_state())
+    np.testing.assert_allclose(restored.shares_at((0, 4)), [0.0, 1.0])
+    np.testing.assert_allclose(restored.shares_at((0, 2)), [0.5, 0.5])

@@ -24,8 +24,11 @@ class HeteroDataset:
         strategy: The `tf.distribute.Strategy` the split is for.
     """
 
-    def __init__(self, examples, global_batch_size, strategy, shares):
+    def __init__(
+        self, examples, global_batch_size, strategy, shares, map_fn=None
+    ):
         self._examples = examples
+        self._map_fn = map_fn
         self.global_batch_size = global_batch_size
         self.strategy = strategy
         self.num_replicas = strategy.num_replicas_in_sync
@@ -46,26 +49,43 @@ class HeteroDataset:
     def set_shares(self, shares, from_batch=None):
         """Changes the split from global batch `from_batch` onwards.
 
+        Global batches are numbered within a *pass* of the input pipeline
+        (one iteration over the data: an epoch under Keras 3, the whole `fit`
+        under tf-keras, which repeats the data). A change never touches a
+        batch the pipeline has already split.
+
         Args:
             shares: One non-negative number per replica (normalised to sum 1).
-            from_batch: The first global batch, counted over the whole run,
-                that uses the new split. Defaults to the next batch the input
-                pipeline has not split yet. Multi-worker jobs must pass the
-                same value on every worker.
+            from_batch: An index in the current pass, or a `(pass, index)`
+                pair. Defaults to the next batch the input pipeline has not
+                split yet. Multi-worker jobs must pass the same value on every
+                worker (as `ShardRebalancer` does), since each worker's
+                pipeline prefetches on its own.
 
         Returns:
-            The global batch index from which the new shares apply.
+            The `(pass, index)` from which the new shares apply.
 
         Raises:
             ValueError: If `shares` are invalid (see `shard`).
         """
-        return self._schedule.set_shares(
-            shares_lib.validate_shares(shares, self.num_replicas), from_batch
-        )
+        shares = shares_lib.validate_shares(shares, self.num_replicas)
+        if from_batch is not None and not isinstance(from_batch, tuple):
+            from_batch = (max(self._schedule.passes_started - 1, 0), from_batch)
+        return self._schedule.set_shares(shares, from_batch)
 
-    def shares_for_batch(self, batch_index):
-        """The shares that split global batch `batch_index` (whole run)."""
-        return self._schedule.shares_at(batch_index).copy()
+    @property
+    def position(self):
+        """`(pass, index)` of the next global batch the pipeline will split."""
+        return self._schedule.position
+
+    @property
+    def passes_started(self):
+        """Passes over the data the input pipeline has started."""
+        return self._schedule.passes_started
+
+    def shares_for_batch(self, batch):
+        """The shares that split global batch `batch = (pass, index)`."""
+        return self._schedule.shares_at(batch).copy()
 
     @property
     def rows(self):
@@ -73,11 +93,6 @@ class HeteroDataset:
         return shares_lib.rows_from_shares(
             self._schedule.latest(), self.global_batch_size
         )
-
-    @property
-    def batches_split(self):
-        """Global batches the input pipeline has split so far (whole run)."""
-        return self._schedule.produced
 
     @property
     def num_batches(self):
@@ -117,11 +132,10 @@ class HeteroDataset:
         if repeat:
             batches = batches.repeat()
 
-        def split(*batch):
-            batch = batch[0] if len(batch) == 1 else batch
+        def split(index, batch):
             total_rows = tf.shape(tf.nest.flatten(batch)[0])[0]
             bounds = tf.numpy_function(
-                self._schedule.next_bounds, [total_rows], tf.int64
+                self._schedule.next_bounds, [index, total_rows], tf.int64
             )
             bounds.set_shape([self.num_replicas + 1])
             slices = []
@@ -142,12 +156,37 @@ class HeteroDataset:
                 dataset = dataset.concatenate(more)
             return dataset
 
+        split_batches = batches.enumerate().map(
+            lambda index, *batch: split(
+                index, batch[0] if len(batch) == 1 else batch
+            )
+        )
         if local_replicas == 1:
-            return batches.map(lambda *b: split(*b)[0])
-        return batches.map(split).flat_map(one_after_another)
+            dataset = split_batches.map(lambda part: part)
+        else:
+            dataset = split_batches.flat_map(one_after_another)
+        if self._map_fn is not None:
+            # After the split: each worker preprocesses only its own rows.
+            dataset = dataset.map(
+                self._map_fn,
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True,
+            )
+        # Bound what runs ahead of training after the split, so a share
+        # change `ShardRebalancer.lag` batches ahead is never too late.
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False
+        return dataset.prefetch(1).with_options(options)
 
 
-def shard(examples, global_batch_size, *, strategy=None, shares=None):
+def shard(
+    examples,
+    global_batch_size,
+    *,
+    strategy=None,
+    shares=None,
+    map_fn=None,
+):
     """Splits global batches of `examples` across replicas by `shares`.
 
     Each run of `global_batch_size` consecutive examples is one global batch;
@@ -171,6 +210,11 @@ def shard(examples, global_batch_size, *, strategy=None, shares=None):
             Defaults to the current strategy (`tf.distribute.get_strategy()`).
         shares: One non-negative number per replica, normalised to sum 1.
             Defaults to equal shares.
+        map_fn: Preprocessing applied AFTER the split, to one replica's
+            slice of a global batch at a time (a batch, called like a
+            `Dataset.map` function: `map_fn(x, y)`), in parallel. Put
+            expensive decoding here: in multi-worker jobs each worker then
+            runs it only on its own rows. Defaults to `None`.
 
     Returns:
         A `kh.data.HeteroDataset`.
@@ -210,4 +254,11 @@ def shard(examples, global_batch_size, *, strategy=None, shares=None):
         )
     if shares is None:
         shares = np.ones(num_replicas)
-    return HeteroDataset(examples, int(global_batch_size), strategy, shares)
+    if map_fn is not None and not callable(map_fn):
+        raise TypeError(
+            f"Invalid value for argument `map_fn`. Received: map_fn={map_fn!r}."
+            " Expected a function of one replica's slice, or None."
+        )
+    return HeteroDataset(
+        examples, int(global_batch_size), strategy, shares, map_fn=map_fn
+    )

@@ -38,7 +38,8 @@ def validate_shares(shares, num_replicas):
         ) from None
     if values.ndim != 1 or values.shape[0] != num_replicas:
         raise ValueError(
-            f"Invalid value for argument `shares`. Received: shares={shares!r} "
+            "Invalid value for argument `shares`. "
+            f"Received: shares={shares!r} "
             f"(length {values.size}). Expected one share per replica: "
             f"{num_replicas} non-negative numbers."
         )
@@ -89,10 +90,13 @@ def rows_from_shares(shares, total_rows):
 class ShareSchedule:
     """Which shares split which global batch.
 
-    Input pipelines call `next_bounds` once per global batch, in order. A share
-    change names the global batch index from which it applies, so every
-    pipeline of a multi-worker job splits every batch the same way no matter
-    how far ahead its prefetching runs.
+    Global batches are numbered per *pass* of the input pipeline: a pass is
+    one iteration over the data (an epoch when Keras re-iterates the dataset
+    each epoch; the whole `fit` when the dataset is repeated), and batch
+    `index` counts from 0 within it. Every worker of a job runs the same
+    passes in the same order, so `(pass, index)` names the same global batch
+    everywhere, however far each pipeline's prefetching runs ahead. A share
+    change names the `(pass, index)` from which it applies.
 
     Args:
         shares: The initial shares (validated).
@@ -100,29 +104,36 @@ class ShareSchedule:
     Example:
 
     >>> schedule = ShareSchedule(np.array([0.5, 0.5]))
-    >>> schedule.next_bounds(4)
+    >>> schedule.next_bounds(0, 4)
     array([0, 2, 4])
     """
 
     def __init__(self, shares):
         self._lock = threading.Lock()
-        self._changes = [(0, np.asarray(shares, dtype=np.float64))]
-        self._produced = 0
+        self._changes = [((-1, 0), np.asarray(shares, dtype=np.float64))]
+        self._pass = -1
+        self._next_index = 0
 
     @property
-    def produced(self):
-        """How many global batches the input pipeline has split so far."""
-        return self._produced
-
-    def shares_at(self, batch_index):
-        """The shares that split global batch `batch_index`."""
+    def position(self):
+        """`(pass, index)` of the next global batch the pipeline will split."""
         with self._lock:
-            return self._shares_at(batch_index)
+            return (max(self._pass, 0), self._next_index)
 
-    def _shares_at(self, batch_index):
+    @property
+    def passes_started(self):
+        """How many passes over the data the pipeline has started."""
+        return self._pass + 1
+
+    def shares_at(self, key):
+        """The shares that split global batch `key = (pass, index)`."""
+        with self._lock:
+            return self._shares_at(tuple(key))
+
+    def _shares_at(self, key):
         current = self._changes[0][1]
         for start, shares in self._changes:
-            if start > batch_index:
+            if start > key:
                 break
             current = shares
         return current
@@ -132,32 +143,55 @@ class ShareSchedule:
         with self._lock:
             return self._changes[-1][1]
 
-    def set_shares(self, shares, from_batch=None):
-        """Schedules `shares` for global batches `from_batch` onwards.
+    def set_shares(self, shares, at=None):
+        """Schedules `shares` for global batches from `at = (pass, index)` on.
 
         Args:
             shares: Validated fractions.
-            from_batch: The first global batch index (counted over the whole
-                run) that uses them. Defaults to the next batch the pipeline
-                has not split yet.
+            at: The first global batch that uses them. Defaults to the next
+                batch the pipeline has not split yet. A batch already split
+                keeps its split (never retroactive): an earlier `at` is moved
+                to the next unsplit batch.
 
         Returns:
-            The batch index from which the shares apply.
+            The `(pass, index)` from which the shares apply.
         """
         with self._lock:
-            start = self._produced if from_batch is None else int(from_batch)
+            next_unsplit = (max(self._pass, 0), self._next_index)
+            start = next_unsplit if at is None else max(tuple(at), next_unsplit)
             # A change replaces any later-scheduled one.
             self._changes = [c for c in self._changes if c[0] < start]
             self._changes.append((start, np.asarray(shares, np.float64)))
             return start
 
-    def next_bounds(self, total_rows):
-        """Row boundaries of the next global batch, one more than replicas.
+    def next_bounds(self, index, total_rows):
+        """Row boundaries of global batch `index` of the current pass.
 
-        Replica `i` takes rows `[bounds[i], bounds[i + 1])`.
+        Index 0 starts a new pass. Replica `i` takes rows
+        `[bounds[i], bounds[i + 1])`; there is one more bound than replicas.
         """
         with self._lock:
-            shares = self._shares_at(self._produced)
-            self._produced += 1
+            if int(index) == 0:
+                self._pass += 1
+            self._next_index = int(index) + 1
+            shares = self._shares_at((self._pass, int(index)))
         rows = rows_from_shares(shares, int(total_rows))
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+
+    def get_state(self):
+        """The schedule as plain data (for checkpoints)."""
+        with self._lock:
+            return {
+                "changes": [
+                    (list(start), shares.tolist())
+                    for start, shares in self._changes
+                ]
+            }
+
+    def set_state(self, state):
+        """Restores `get_state()` output."""
+        with self._lock:
+            self._changes = [
+                (tuple(start), np.asarray(shares, np.float64))
+                for start, shares in state["changes"]
+            ]

@@ -1,0 +1,186 @@
+"""`ShardRebalancer`: moves rows from slow replicas to fast ones during fit."""
+
+import numpy as np
+
+from keras_hetero import rebalance
+from keras_hetero._compat import keras
+from keras_hetero.data.shard import HeteroDataset
+
+
+class ShardRebalancer(keras.callbacks.Callback):
+    """Sets a HeteroDataset's shares in proportion to measured replica speed.
+
+    After every train batch it reads `model.step_stats` (rows and compute
+    seconds of every replica; all workers see the same numbers) and keeps a
+    window of each replica's seconds per row. Every `every_n_steps` steps it
+    estimates speed as the window median (robust to noise and outliers),
+    proposes shares proportional to speed within `min_share` / `max_rows`,
+    and applies them only if the predicted step time drops by more than
+    `tolerance` (so shares do not oscillate). A change applies from the
+    global batch `lag` batches after the current one, named explicitly, so
+    every worker's input pipeline splits every batch the same way and every
+    example is still seen exactly once per epoch. When a replica's speed
+    changes, the window forgets the old speed within about `window / 2`
+    observations and the shares follow.
+
+    The epoch logs (and so `History`) get `share/replica_<i>`.
+
+    Args:
+        dataset: The `kh.data.HeteroDataset` passed to `fit`.
+        every_n_steps: Steps between decisions. Defaults to `10`.
+        warmup_steps: Steps ignored at the start of each `fit` (tracing,
+            caches). Defaults to `2`.
+        window: Readings per replica the estimate uses. Defaults to `10`.
+        min_share: Lower bound for every share. Defaults to `0.0`.
+        max_rows: Upper bound on a replica's rows per global batch (an int,
+            or one per replica), e.g. for its memory. Defaults to `None`.
+        tolerance: Minimum predicted step-time gain for a change. Defaults
+            to `0.05`.
+        lag: Global batches between a decision and the first batch it
+            splits; larger than what the pipeline prefetches after the split.
+            Defaults to `4`.
+
+    Raises:
+        TypeError: If `dataset` is not a `kh.data.HeteroDataset`.
+        ValueError: For a non-positive `every_n_steps`, `window` or `lag`, a
+            negative `warmup_steps`, `min_share` outside `[0, 1/replicas]`,
+            `max_rows` below 1, or `tolerance` < 0.
+
+    Example:
+
+    >>> data = kh.data.shard(examples, 64)  # doctest: +SKIP
+    >>> model.fit(data, callbacks=[ShardRebalancer(data)])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        dataset,
+        every_n_steps=10,
+        *,
+        warmup_steps=2,
+        window=10,
+        min_share=0.0,
+        max_rows=None,
+        tolerance=0.05,
+        lag=4,
+    ):
+        super().__init__()
+        if not isinstance(dataset, HeteroDataset):
+            raise TypeError(
+                "Invalid value for argument `dataset`. Received: "
+                f"dataset={dataset!r} of type {type(dataset).__name__}. "
+                "Expected the kh.data.HeteroDataset given to `fit` (made by "
+                "`kh.data.shard`)."
+            )
+        for name, value, low in (
+            ("every_n_steps", every_n_steps, 1),
+            ("window", window, 1),
+            ("lag", lag, 1),
+            ("warmup_steps", warmup_steps, 0),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or (value < low)
+            ):
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r}. Expected an integer >= {low}."
+                )
+        replicas = dataset.num_replicas
+        if not 0.0 <= float(min_share) <= 1.0 / replicas:
+            raise ValueError(
+                "Invalid value for argument `min_share`. Received: "
+                f"min_share={min_share!r}. Expected a number in [0, "
+                f"1/{replicas}]."
+            )
+        if max_rows is not None and np.any(np.asarray(max_rows) < 1):
+            raise ValueError(
+                "Invalid value for argument `max_rows`. Received: "
+                f"max_rows={max_rows!r}. Expected None or rows >= 1."
+            )
+        if float(tolerance) < 0:
+            raise ValueError(
+                "Invalid value for argument `tolerance`. Received: "
+                f"tolerance={tolerance!r}. Expected a number >= 0."
+            )
+        self.dataset = dataset
+        self.every_n_steps = every_n_steps
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.min_share = float(min_share)
+        self.max_rows = max_rows
+        self.tolerance = float(tolerance)
+        self.lag = lag
+        self._reset()
+
+    def _reset(self):
+        self._speeds = rebalance.SpeedWindow.empty(
+            self.dataset.num_replicas, self.window
+        )
+        self._steps = 0
+        self._since_decision = 0
+        self._pass = None
+        self._pass_steps = 0
+        self.changes = []
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+
+    def on_train_batch_end(self, batch, logs=None):
+        stats = getattr(self.model, "step_stats", None)
+        if stats is None:
+            return
+        self._track_pass(stats.steps)
+        self._steps += stats.steps
+        if self._steps <= self.warmup_steps:
+            return
+        self._speeds = self._speeds.add(stats.rows, stats.compute_seconds)
+        self._since_decision += stats.steps
+        if self._since_decision < self.every_n_steps:
+            return
+        self._since_decision = 0
+        shares = rebalance.decide(
+            self._speeds,
+            self.dataset.shares,
+            self.dataset.global_batch_size,
+            min_share=self.min_share,
+            max_rows=self.max_rows,
+            tolerance=self.tolerance,
+        )
+        if shares is not None:
+            start = self.dataset.set_shares(
+                shares, from_batch=(self._pass, self._pass_steps + self.lag)
+            )
+            self.changes.append((self._steps, start, shares))
+
+    def _track_pass(self, steps):
+        # Batches are numbered per pass of the input pipeline; the batch
+        # after this one is index `_pass_steps` of pass `_pass`.
+        current = self.dataset.passes_started - 1
+        if current != self._pass:
+            self._pass, self._pass_steps = current, 0
+        self._pass_steps += steps
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            for replica, share in enumerate(self.dataset.shares):
+                logs[f"share/replica_{replica}"] = float(share)
+
+    def get_state(self):
+        """Plain-data state, for checkpoints (see `set_state`)."""
+        return {
+            "readings": self._speeds.readings.tolist(),
+            "steps": self._steps,
+            "since_decision": self._since_decision,
+            "schedule": self.dataset._schedule.get_state(),
+        }
+
+    def set_state(self, state):
+        """Restores `get_state()` output (the dataset's shares included)."""
+        self._speeds = rebalance.SpeedWindow(
+            np.asarray(state["readings"], np.float64)
+        )
+        self._steps = int(state["steps"])
+        self._since_decision = int(state["since_decision"])
+        self.dataset._schedule.set_state(state["schedule"])

@@ -1,0 +1,152 @@
+"""Pure decision logic of `ShardRebalancer`: speed estimates and new shares.
+
+Numpy over explicit, immutable state, so it tests without TensorFlow and every
+worker of a job, fed the same all-reduced telemetry, takes the same decision.
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedWindow:
+    """The last `size` seconds-per-row readings of each replica.
+
+    Attributes:
+        readings: float array `[size, replicas]`, NaN where nothing was seen
+            (e.g. a replica with 0 rows). Oldest first.
+    """
+
+    readings: np.ndarray
+
+    @classmethod
+    def empty(cls, num_replicas, size):
+        return cls(np.full((size, num_replicas), np.nan))
+
+    def add(self, rows, compute_seconds):
+        """A new window with one step's (or execution's) telemetry added."""
+        rows = np.asarray(rows, np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            reading = np.where(
+                rows > 0, np.asarray(compute_seconds, np.float64) / rows, np.nan
+            )
+        return SpeedWindow(np.vstack([self.readings[1:], reading]))
+
+    def seconds_per_row(self):
+        """Median reading per replica (NaN if none): robust to outliers."""
+        seen = ~np.isnan(self.readings)
+        result = np.full(self.readings.shape[1], np.nan)
+        for replica in range(self.readings.shape[1]):
+            values = self.readings[seen[:, replica], replica]
+            if values.size:
+                result[replica] = np.median(values)
+        return result
+
+
+def step_seconds(shares, seconds_per_row, global_batch_size):
+    """Predicted synchronous step time: the slowest replica's work."""
+    rows = np.asarray(shares) * global_batch_size
+    work = np.where(rows > 0, rows * np.nan_to_num(seconds_per_row), 0.0)
+    return float(np.max(work))
+
+
+def balanced_shares(
+    seconds_per_row,
+    current_shares,
+    global_batch_size,
+    *,
+    min_share=0.0,
+    max_rows=None,
+):
+    """Shares proportional to speed (1 / seconds per row), within bounds.
+
+    Replicas with no estimate (NaN) keep their current share. Every share is
+    at least `min_share`, and a replica gets at most `max_rows` rows of a
+    global batch (e.g. for its memory); what the bounds take or give is
+    spread over the other replicas in proportion to their speed.
+
+    Args:
+        seconds_per_row: Estimated seconds per row per replica.
+        current_shares: The shares in force.
+        global_batch_size: Rows per global batch.
+        min_share: Lower bound for every share. Defaults to `0.0`.
+        max_rows: Upper bound on any replica's rows, or None (or an array,
+            one per replica). Defaults to `None`.
+
+    Returns:
+        Shares summing to 1.
+
+    Example:
+
+    >>> balanced_shares(np.array([0.004, 0.002, 0.001]), np.ones(3) / 3, 70)
+    array([0.14285714, 0.28571429, 0.57142857])
+    """
+    current = np.asarray(current_shares, np.float64)
+    spr = np.asarray(seconds_per_row, np.float64)
+    known = ~np.isnan(spr) & (spr > 0)
+    free = 1.0 - current[~known].sum()
+    speed = np.zeros_like(spr)
+    speed[known] = 1.0 / spr[known]
+    target = current.copy()
+    if known.any() and speed.sum() > 0:
+        target[known] = free * speed[known] / speed[known].sum()
+    upper = np.ones_like(target)
+    if max_rows is not None:
+        upper = np.minimum(
+            upper, np.asarray(max_rows, np.float64) / global_batch_size
+        )
+    lower = np.full_like(target, float(min_share))
+    weight = np.where(known, speed, current + 1e-12)
+    for _ in range(len(target) + 1):
+        clipped = np.clip(target, lower, upper)
+        excess = target.sum() - clipped.sum()
+        target = clipped
+        if abs(excess) < 1e-12:
+            break
+        # Give (or take) the excess to replicas not pinned at the bound.
+        room = (target < upper) if excess > 0 else (target > lower)
+        if not room.any():
+            break
+        target[room] += excess * weight[room] / weight[room].sum()
+    return target / target.sum()
+
+
+def decide(
+    window,
+    current_shares,
+    global_batch_size,
+    *,
+    min_share=0.0,
+    max_rows=None,
+    tolerance=0.05,
+):
+    """New shares, or None when the gain is within `tolerance` (hysteresis).
+
+    Args:
+        window: A `SpeedWindow`.
+        current_shares: The shares in force.
+        global_batch_size: Rows per global batch.
+        min_share: See `balanced_shares`. Defaults to `0.0`.
+        max_rows: See `balanced_shares`. Defaults to `None`.
+        tolerance: Change only if the predicted step time drops by more than
+            this fraction. Defaults to `0.05`.
+
+    Returns:
+        Shares (summing to 1) or None.
+    """
+    spr = window.seconds_per_row()
+    if np.all(np.isnan(spr)):
+        return None
+    target = balanced_shares(
+        spr,
+        current_shares,
+        global_batch_size,
+        min_share=min_share,
+        max_rows=max_rows,
+    )
+    now = step_seconds(current_shares, spr, global_batch_size)
+    then = step_seconds(target, spr, global_batch_size)
+    if now <= then * (1.0 + tolerance):
+        return None
+    return target
