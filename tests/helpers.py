@@ -98,3 +98,41 @@ def mirrored(devices):
         return cls(devices)
     finally:
         cls._collective_key_base = saved
+
+
+class RecordIds(keras.layers.Layer):
+    """Identity on x; appends the example ids it sees to `seen` (test only)."""
+
+    def __init__(self, seen, **kwargs):
+        super().__init__(**kwargs)
+        object.__setattr__(self, "seen", seen)  # not a Keras-tracked copy
+
+    def call(self, inputs):
+        x, ids = inputs
+
+        def record(values):
+            self.seen.extend(np.rint(values).astype(np.int64).tolist())
+            return np.float32(0.0)
+
+        zero = tf.numpy_function(record, [ids], tf.float32)
+        zero.set_shape([])
+        return x + zero
+
+
+def id_model(seen, seconds_per_row):
+    """A HeteroModel over {"x", "id"} inputs that records the ids it trains
+    on; build inside the strategy scope."""
+    x_in = keras.Input((FEATURES,), name="x")
+    id_in = keras.Input((), dtype="int64", name="id")
+    slow = kh.testing.SimulatedSpeed(seconds_per_row)(x_in)
+    recorded = RecordIds(seen)([slow, id_in])
+    model = kh.HeteroModel(
+        {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded)
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def id_examples(rows):
+    x, y, _, ids = arrays(rows)
+    return tf.data.Dataset.from_tensor_slices(({"x": x, "id": ids}, y))

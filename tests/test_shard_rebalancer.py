@@ -4,6 +4,7 @@ import helpers
 import numpy as np
 import pytest
 import tensorflow as tf
+import workers_lib
 from conftest import DEVICES
 
 import keras_hetero as kh
@@ -61,48 +62,42 @@ def test_weights_equal_single_device_with_rebalancing_on():
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
 
 
-class _RecordIds(keras.layers.Layer):
-    """Identity on x; appends the ids it sees to `seen` (test only)."""
-
-    def __init__(self, seen, **kwargs):
-        super().__init__(**kwargs)
-        object.__setattr__(self, "seen", seen)  # not a Keras-tracked copy
-
-    def call(self, inputs):
-        x, ids = inputs
-
-        def record(values):
-            self.seen.extend(values.tolist())
-            return np.float32(0.0)
-
-        zero = tf.numpy_function(record, [ids], tf.float32)
-        zero.set_shape([])
-        return x + zero
-
-
 def test_each_example_trains_exactly_once_per_epoch_while_shares_move():
     strategy = helpers.mirrored(DEVICES[:3])
     seen = []
     with strategy.scope():
-        x_in = keras.Input((helpers.FEATURES,), name="x")
-        id_in = keras.Input((), dtype="int64", name="id")
-        slow = kh.testing.SimulatedSpeed([0.003, 0.001, 0.0])(x_in)
-        recorded = _RecordIds(seen)([slow, id_in])
-        model = kh.HeteroModel(
-            {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded)
-        )
-        model.compile(optimizer="sgd", loss="mse")
+        model = helpers.id_model(seen, [0.003, 0.001, 0.0])
     rows = 30 * 24 + 7
-    x, y, _, ids = helpers.arrays(rows)
-    examples = tf.data.Dataset.from_tensor_slices(({"x": x, "id": ids}, y))
-    data = kh.data.shard(examples, 30, strategy=strategy)
+    data = kh.data.shard(helpers.id_examples(rows), 30, strategy=strategy)
     rebalancer = kh.callbacks.ShardRebalancer(
         data, every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
     )
     model.fit(data, epochs=2, verbose=0, callbacks=[rebalancer])
     assert len(rebalancer.changes) >= 2
-    counts = np.bincount(np.rint(seen).astype(np.int64), minlength=rows)
+    counts = np.bincount(seen, minlength=rows)
     assert np.all(counts == 2), np.nonzero(counts != 2)
+
+
+@pytest.mark.slow
+def test_multi_worker_rebalancing_is_identical_everywhere_and_exact():
+    rows = 24 * 20 + 5
+    results = kh.testing.run_workers(
+        workers_lib.rebalance_mwms, 2, timeout=240, args=(rows,)
+    )
+    first, second = (r.value for r in results)
+    # Every worker took the same decisions from the same gathered stats.
+    assert first["changes"] == second["changes"]
+    assert len(first["changes"]) >= 1
+    np.testing.assert_array_equal(first["shares"], second["shares"])
+    assert first["shares"][1] > 0.6  # worker 1's replica is the fast one
+    # Exactly once per epoch across both workers' replicas.
+    counts = np.bincount(first["seen"] + second["seen"], minlength=rows)
+    assert np.all(counts == 2), np.nonzero(counts != 2)
+    # Training math unchanged: one device on the same global batches.
+    reference = helpers.id_model([], 0.0)
+    reference.set_weights(first["initial"])
+    reference.fit(helpers.id_examples(rows).batch(24), epochs=2, verbose=0)
+    helpers.assert_weights_close(first["weights"], reference.get_weights())
 
 
 def test_bad_arguments():

@@ -131,3 +131,34 @@ def pss_coordinator(cluster, queue):
         import traceback
 
         queue.put(("error", f"{error!r}\n{traceback.format_exc()}"))
+
+
+def rebalance_mwms(rows):
+    """2-worker fit with ShardRebalancer; returns ids seen and decisions."""
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    seen = []
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = helpers.id_model(seen, [0.004, 0.0005])
+    initial = model.get_weights()
+    data = kh.data.shard(helpers.id_examples(rows), 24, strategy=strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(
+        data, every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
+    )
+    model.fit(data, epochs=2, verbose=0, callbacks=[rebalancer])
+    return {
+        "seen": seen,
+        "changes": [
+            (step, list(start), [round(float(v), 12) for v in shares])
+            for step, start, shares in rebalancer.changes
+        ],
+        "shares": data.shares,
+        "initial": initial,
+        "weights": model.get_weights(),
+    }
