@@ -162,3 +162,34 @@ def rebalance_mwms(rows):
         "initial": initial,
         "weights": model.get_weights(),
     }
+
+
+def hang_mwms():
+    """Worker 1 stalls 8 s before step 6; the watchdog (3 s) reports it."""
+    import json
+    import os
+    import time
+
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = helpers.hetero_model()
+
+    class Stall(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if task == 1 and batch == 5:
+                time.sleep(8)
+
+    detector = kh.callbacks.StragglerDetector(hang_timeout=3)
+    data = kh.data.shard(helpers.examples(rows=160), 16, strategy=strategy)
+    model.fit(data, epochs=1, verbose=0, callbacks=[Stall(), detector])
+    return {
+        "hangs": detector.hangs,
+        "steps": int(model.optimizer.iterations.numpy()),
+    }

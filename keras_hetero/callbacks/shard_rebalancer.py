@@ -139,6 +139,14 @@ class ShardRebalancer(keras.callbacks.Callback):
         self._since_decision += stats.steps
         if self._since_decision < self.every_n_steps:
             return
+        self.rebalance_now()
+
+    def rebalance_now(self):
+        """Decides from the current window now (e.g. on a straggler event).
+
+        Returns:
+            The new shares, or None if they stay.
+        """
         self._since_decision = 0
         shares = rebalance.decide(
             self._speeds,
@@ -153,6 +161,7 @@ class ShardRebalancer(keras.callbacks.Callback):
                 shares, from_batch=(self._pass, self._pass_steps + self.lag)
             )
             self.changes.append((self._steps, start, shares))
+        return shares
 
     def _track_pass(self, steps):
         # Batches are numbered per pass of the input pipeline; the batch

@@ -1,0 +1,411 @@
+"""`StragglerDetector`: finds slow replicas and stuck workers."""
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from keras_hetero import straggler
+from keras_hetero._compat import keras
+
+logger = logging.getLogger("keras_hetero")
+
+ACTIONS = ("warn", "rebalance", "checkpoint", "stop")
+
+
+class StragglerDetector(keras.callbacks.Callback):
+    """Scores every replica's speed each step and reports stragglers.
+
+    With a `HeteroModel` it reads `model.step_stats` (every replica of every
+    worker; all workers see the same numbers and flag alike). With a plain
+    `keras.Model` it times this worker's train batches from the callbacks: one
+    series per worker, so only the individual score is meaningful (coarser).
+
+    Scores (see `kh.straggler`): relative = best replica's seconds per row /
+    this replica's; individual = this replica's baseline / its current value,
+    both over the median of the last `window` steps. A replica whose score
+    stays below `threshold` for `patience` evaluations becomes a straggler;
+    it recovers after `patience` evaluations with both scores back above.
+
+    Each event is appended to `.events`, logged as one line naming replica,
+    worker, device and scores, passed to `on_straggler(event)`, written to
+    TensorBoard under `log_dir`, and acted on:
+
+    - `"warn"`: the log line only;
+    - `"rebalance"`: `rebalancer` (a `ShardRebalancer`) decides now;
+    - `"checkpoint"`: `checkpoint.save_now()` is called if given;
+    - `"stop"`: checkpoint if possible, then `model.stop_training = True`.
+
+    Hang watchdog (multi-worker): with `hang_timeout` seconds set, a thread
+    notices when a train step does not finish in time, asks TensorFlow's
+    coordination service which workers have not reached the current step,
+    and logs them by index ("worker(s) [1] have not reached step 57"). With
+    `abort_on_hang=True` it then exits the process with status
+    `HANG_EXIT_CODE` so a launcher can restart the job.
+
+    Epoch logs get `straggler/relative_<i>`, `straggler/individual_<i>` and
+    `straggler/flagged` (how many replicas are flagged).
+
+    Args:
+        threshold: Score below which a replica is slow, in (0, 1]. Defaults
+            to `0.7`.
+        patience: Evaluations in a row before flagging or recovering, >= 1.
+            Defaults to `3`.
+        action: One of "warn", "rebalance", "checkpoint", "stop", or a list
+            of them. Defaults to `"warn"`.
+        on_straggler: Called with every `StragglerEvent`. Defaults to None.
+        window: Steps the median covers. Defaults to `9`.
+        rebalancer: The `ShardRebalancer` for `action="rebalance"`.
+        checkpoint: An object with `save_now()` (e.g. a checkpoint callback)
+            for `"checkpoint"` / `"stop"`. Defaults to None.
+        log_dir: Directory for TensorBoard scalars. Defaults to None.
+        hang_timeout: Seconds a train step may take before the watchdog
+            reports; None disables it. Defaults to None.
+        abort_on_hang: Exit the process after reporting a hang. Defaults to
+            `False`.
+
+    Raises:
+        ValueError: For `threshold` outside (0, 1], `patience` or `window`
+            below 1, an unknown action, `"rebalance"` without a rebalancer,
+            or a non-positive `hang_timeout`.
+        TypeError: If `on_straggler` is not callable.
+
+    Example:
+
+    >>> detector = StragglerDetector(threshold=0.7, patience=3)
+    >>> # model.fit(data, callbacks=[detector]); detector.events
+    """
+
+    HANG_EXIT_CODE = 75
+
+    def __init__(
+        self,
+        threshold=0.7,
+        patience=3,
+        action="warn",
+        on_straggler=None,
+        *,
+        window=9,
+        rebalancer=None,
+        checkpoint=None,
+        log_dir=None,
+        hang_timeout=None,
+        abort_on_hang=False,
+    ):
+        super().__init__()
+        if isinstance(threshold, bool) or not (
+            isinstance(threshold, (int, float)) and 0 < threshold <= 1
+        ):
+            raise ValueError(
+                "Invalid value for argument `threshold`. Received: "
+                f"threshold={threshold!r}. Expected a number in (0, 1]."
+            )
+        for name, value in (("patience", patience), ("window", window)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or (value < 1)
+            ):
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r}. Expected an integer >= 1."
+                )
+        actions = [action] if isinstance(action, str) else list(action)
+        unknown = [a for a in actions if a not in ACTIONS]
+        if unknown or not actions:
+            raise ValueError(
+                "Invalid value for argument `action`. Received: "
+                f"action={action!r}. Expected one or more of {ACTIONS}."
+            )
+        if "rebalance" in actions and rebalancer is None:
+            raise ValueError(
+                'action="rebalance" needs `rebalancer=` (the ShardRebalancer '
+                "of the dataset being trained on)."
+            )
+        if on_straggler is not None and not callable(on_straggler):
+            raise TypeError(
+                "Invalid value for argument `on_straggler`. Received: "
+                f"on_straggler={on_straggler!r}. Expected a callable or None."
+            )
+        if hang_timeout is not None and not (
+            isinstance(hang_timeout, (int, float)) and hang_timeout > 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `hang_timeout`. Received: "
+                f"hang_timeout={hang_timeout!r}. Expected seconds > 0 or None."
+            )
+        self.threshold = float(threshold)
+        self.patience = patience
+        self.actions = actions
+        self.on_straggler = on_straggler
+        self.window = window
+        self.rebalancer = rebalancer
+        self.checkpoint = checkpoint
+        self.log_dir = log_dir
+        self.hang_timeout = hang_timeout
+        self.abort_on_hang = abort_on_hang
+        self.events = []
+        self.hangs = []
+        self._state = None
+        self._writer = None
+        self._watchdog = None
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self.events = []
+        self.hangs = []
+        self._state = None
+        self._steps = 0
+        self._batch_start = None
+        if self.log_dir is not None and self._writer is None:
+            import tensorflow as tf
+
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        if self.hang_timeout is not None:
+            self._watchdog = _Watchdog(self, self.hang_timeout)
+            self._watchdog.start()
+
+    def on_train_end(self, logs=None):
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_start = time.perf_counter()
+        if self._watchdog is not None:
+            self._watchdog.step_started(self._steps + 1)
+
+    def on_train_batch_end(self, batch, logs=None):
+        rows, seconds, steps, devices = self._observation()
+        self._steps += steps
+        if self._watchdog is not None:
+            self._watchdog.step_finished(self._steps)
+        if self._state is None:
+            self._state = straggler.ScoreState.empty(len(rows), self.window)
+            self._devices = devices
+        self._state = straggler.add_reading(self._state, rows, seconds)
+        self._state, changes = straggler.evaluate(
+            self._state, threshold=self.threshold, patience=self.patience
+        )
+        for replica, kind, relative, individual in changes:
+            self._emit(
+                straggler.StragglerEvent(
+                    step=self._steps,
+                    replica=replica,
+                    worker=_worker_of(replica, self._devices),
+                    device=self._devices[replica],
+                    relative_score=relative,
+                    individual_score=individual,
+                    kind=kind,
+                )
+            )
+
+    def _observation(self):
+        stats = getattr(self.model, "step_stats", None)
+        if stats is not None:
+            return stats.rows, stats.compute_seconds, stats.steps, stats.devices
+        # Plain keras.Model: this worker's wall time per batch, one "row".
+        seconds = time.perf_counter() - (self._batch_start or 0.0)
+        return np.array([1]), np.array([seconds]), 1, [_this_worker_name()]
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or self._state is None:
+            return
+        relative, individual = straggler.scores(self._state)
+        for replica in range(len(relative)):
+            logs[f"straggler/relative_{replica}"] = float(
+                np.nan_to_num(relative[replica], nan=1.0)
+            )
+            logs[f"straggler/individual_{replica}"] = float(
+                np.nan_to_num(individual[replica], nan=1.0)
+            )
+        logs["straggler/flagged"] = int(self._state.flagged.sum())
+        if self._writer is not None:
+            with self._writer.as_default(step=self._steps):
+                for key, value in logs.items():
+                    if key.startswith("straggler/"):
+                        _write_scalar(key, value)
+
+    # --- events and actions ---------------------------------------------
+
+    def _emit(self, event):
+        self.events.append(event)
+        verb = "is a straggler" if event.kind == "straggler" else "recovered"
+        logger.warning(
+            "StragglerDetector: replica %d (worker %d, %s) %s at step %d: "
+            "relative score %.2f, individual score %.2f (threshold %.2f)",
+            event.replica,
+            event.worker,
+            event.device,
+            verb,
+            event.step,
+            event.relative_score,
+            event.individual_score,
+            self.threshold,
+        )
+        if self.on_straggler is not None:
+            self.on_straggler(event)
+        if event.kind != "straggler":
+            return
+        if "rebalance" in self.actions:
+            self.rebalancer.rebalance_now()
+        if "checkpoint" in self.actions or "stop" in self.actions:
+            save = getattr(self.checkpoint, "save_now", None)
+            if save is not None:
+                save()
+        if "stop" in self.actions:
+            self.model.stop_training = True
+
+    # --- state -------------------------------------------------------------
+
+    def get_state(self):
+        """Plain-data state for checkpoints."""
+        return {
+            "scores": None if self._state is None else self._state.to_dict(),
+            "steps": getattr(self, "_steps", 0),
+        }
+
+    def set_state(self, state):
+        """Restores `get_state()` output."""
+        scores = state["scores"]
+        self._state = (
+            None if scores is None else straggler.ScoreState.from_dict(scores)
+        )
+        self._steps = int(state["steps"])
+
+
+def _write_scalar(tag, value):
+    # `tf.summary.scalar` needs the tensorboard package; `tf.summary.write`
+    # with the scalars plugin's metadata is core TF and reads the same.
+    import tensorflow as tf
+    from tensorflow.core.framework import summary_pb2
+
+    metadata = summary_pb2.SummaryMetadata()
+    metadata.plugin_data.plugin_name = "scalars"
+    metadata.data_class = summary_pb2.DATA_CLASS_SCALAR
+    tf.summary.write(
+        tag, tf.constant(float(value), tf.float32), metadata=metadata
+    )
+
+
+def _worker_of(replica, devices):
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(devices[replica])
+    return int(spec.task or 0)
+
+
+def _this_worker_name():
+    import json
+
+    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
+    task = config.get("task", {})
+    return f"/job:{task.get('type', 'worker')}/task:{task.get('index', 0)}"
+
+
+class _Watchdog:
+    """Reports workers that have not reached the current step in time.
+
+    Progress goes through TensorFlow's coordination service key-value store
+    (running in every multi-worker job), so it works while the collective
+    that waits for the missing worker is blocked.
+    """
+
+    def __init__(self, detector, timeout):
+        self.detector = detector
+        self.timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._step = 0
+        self._started = None
+        self._reported = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="keras_hetero-watchdog", daemon=True
+        )
+        self._workers, self._task = _cluster()
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+
+    def step_started(self, step):
+        with self._lock:
+            self._step, self._started = step, time.monotonic()
+        _publish(self._task, step)
+
+    def step_finished(self, step):
+        with self._lock:
+            self._started = None
+
+    def _run(self):
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            with self._lock:
+                step, started = self._step, self._started
+            if started is None or self._reported == step:
+                continue
+            if time.monotonic() - started < self.timeout:
+                continue
+            self._reported = step
+            missing = [
+                worker
+                for worker in range(self._workers)
+                if worker != self._task and not _reached(worker, step)
+            ]
+            self.detector.hangs.append((step, missing))
+            logger.error(
+                "StragglerDetector: step %d has not finished after %.0fs; "
+                "worker(s) %s have not reached it.",
+                step,
+                self.timeout,
+                missing,
+            )
+            if self.detector.abort_on_hang:
+                logging.shutdown()
+                os._exit(StragglerDetector.HANG_EXIT_CODE)
+
+
+def _cluster():
+    import json
+
+    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
+    cluster = config.get("cluster", {})
+    workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    return max(workers, 1), int(config.get("task", {}).get("index", 0))
+
+
+def _progress_key(task, step):
+    return f"keras_hetero/progress/{task}/{step}"
+
+
+def _publish(task, step):
+    """Marks that worker `task` started step `step` (drops the old mark)."""
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().set_config_key_value(_progress_key(task, step), "1")
+        if step > 1:
+            context.context().delete_config_key_value(
+                _progress_key(task, step - 1)
+            )
+    except Exception:  # no coordination service (single worker)
+        pass
+
+
+def _reached(task, step):
+    """Whether worker `task` has started step `step` (waits up to 2 s)."""
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().get_config_key_value(
+            _progress_key(task, step), timeout_in_ms=2000
+        )
+        return True
+    except Exception:
+        return False

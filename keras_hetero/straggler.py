@@ -1,0 +1,173 @@
+"""Pure scoring logic of `StragglerDetector`: who is slow, and since when.
+
+Numpy over explicit, immutable state (`ScoreState`), testable without
+TensorFlow. Fed the same all-reduced telemetry, every worker scores alike.
+
+Per replica and step the cost is `compute_seconds / rows` (seconds per row),
+so a replica that was given more rows is not blamed for it. Over a window of
+recent costs:
+
+- relative score = best replica's median cost / this replica's median cost;
+- individual score = this replica's baseline (the lowest median it has
+  shown) / its current median.
+
+Both are in (0, 1]; 1 is "as fast as it gets".
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerEvent:
+    """A replica became a straggler (`kind="straggler"`) or recovered.
+
+    Attributes:
+        step: Train steps completed when the event fired.
+        replica: Global replica index.
+        worker: Index of the worker (task) running the replica.
+        device: The replica's device.
+        relative_score: Best replica's cost per row / this replica's.
+        individual_score: This replica's baseline cost / its current cost.
+        kind: `"straggler"` or `"recovered"`.
+    """
+
+    step: int
+    replica: int
+    worker: int
+    device: str
+    relative_score: float
+    individual_score: float
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreState:
+    """Everything the scoring remembers, as plain arrays.
+
+    Attributes:
+        readings: `[window, replicas]` recent costs per row, NaN = none.
+        seen: How many readings have been added.
+        baseline: Lowest median cost per replica so far (NaN = none yet).
+        below: Consecutive evaluations below the threshold, per replica.
+        above: Consecutive evaluations at or above it, per replica.
+        flagged: Whether each replica is currently a straggler.
+    """
+
+    readings: np.ndarray
+    seen: int
+    baseline: np.ndarray
+    below: np.ndarray
+    above: np.ndarray
+    flagged: np.ndarray
+
+    @classmethod
+    def empty(cls, num_replicas, window):
+        return cls(
+            readings=np.full((window, num_replicas), np.nan),
+            seen=0,
+            baseline=np.full(num_replicas, np.nan),
+            below=np.zeros(num_replicas, np.int64),
+            above=np.zeros(num_replicas, np.int64),
+            flagged=np.zeros(num_replicas, bool),
+        )
+
+    def to_dict(self):
+        return {
+            name: (value.tolist() if isinstance(value, np.ndarray) else value)
+            for name, value in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls(
+            readings=np.asarray(data["readings"], np.float64),
+            seen=int(data["seen"]),
+            baseline=np.asarray(data["baseline"], np.float64),
+            below=np.asarray(data["below"], np.int64),
+            above=np.asarray(data["above"], np.int64),
+            flagged=np.asarray(data["flagged"], bool),
+        )
+
+
+def add_reading(state, rows, compute_seconds):
+    """A new state with one step's costs per row added."""
+    rows = np.asarray(rows, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.where(
+            rows > 0, np.asarray(compute_seconds, np.float64) / rows, np.nan
+        )
+    readings = np.vstack([state.readings[1:], cost])
+    return dataclasses.replace(state, readings=readings, seen=state.seen + 1)
+
+
+def current_costs(state):
+    """Median cost per row per replica over the window (NaN: no reading)."""
+    result = np.full(state.readings.shape[1], np.nan)
+    for replica in range(state.readings.shape[1]):
+        values = state.readings[:, replica]
+        values = values[~np.isnan(values)]
+        if values.size:
+            result[replica] = np.median(values)
+    return result
+
+
+def scores(state):
+    """`(relative, individual)` score arrays; NaN where a replica has none."""
+    cost = current_costs(state)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        best = np.nanmin(cost) if np.any(~np.isnan(cost)) else np.nan
+        relative = best / cost
+        individual = state.baseline / cost
+    return relative, individual
+
+
+def evaluate(state, *, threshold, patience):
+    """Scores the window and updates flags.
+
+    A replica is flagged after `patience` consecutive evaluations with a
+    score below `threshold`, and recovers after `patience` consecutive
+    evaluations with both scores at or above it. Nothing is scored until the
+    window is full once.
+
+    Returns:
+        `(new_state, changes)`, `changes` a list of
+        `(replica, kind, relative_score, individual_score)`.
+    """
+    window = state.readings.shape[0]
+    if state.seen < window:
+        return state, []
+    relative, individual = scores(state)
+    cost = current_costs(state)
+    baseline = np.where(
+        np.isnan(state.baseline), cost, np.fmin(state.baseline, cost)
+    )
+    low = (np.nan_to_num(relative, nan=1.0) < threshold) | (
+        np.nan_to_num(individual, nan=1.0) < threshold
+    )
+    below = np.where(low, state.below + 1, 0)
+    above = np.where(low, 0, state.above + 1)
+    flagged = state.flagged.copy()
+    changes = []
+    for replica in range(len(flagged)):
+        if not flagged[replica] and below[replica] >= patience:
+            flagged[replica] = True
+            kind = "straggler"
+        elif flagged[replica] and above[replica] >= patience:
+            flagged[replica] = False
+            kind = "recovered"
+        else:
+            continue
+        changes.append(
+            (
+                replica,
+                kind,
+                float(relative[replica]),
+                float(individual[replica]),
+            )
+        )
+    new_state = dataclasses.replace(
+        state, baseline=baseline, below=below, above=above, flagged=flagged
+    )
+    return new_state, changes

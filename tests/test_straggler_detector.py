@@ -1,0 +1,135 @@
+"""StragglerDetector inside fit: simulated slow replicas, plain models, the
+hang watchdog, bad input."""
+
+import logging
+import time
+
+import helpers
+import pytest
+import workers_lib
+from conftest import DEVICES
+
+import keras_hetero as kh
+from keras_hetero._compat import keras
+
+
+class _SlowDownAt(keras.callbacks.Callback):
+    def __init__(self, layer, step, seconds):
+        super().__init__()
+        self.layer, self.step, self.seconds, self.seen = layer, step, seconds, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step:
+            self.layer.seconds_per_row = self.seconds
+
+
+def _model(strategy, seconds):
+    with strategy.scope():
+        inputs = keras.Input((helpers.FEATURES,))
+        slow = kh.testing.SimulatedSpeed(seconds)
+        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+    return model, slow
+
+
+def test_slowed_replica_is_flagged_with_hook_logs_and_tensorboard(
+    tmp_path, caplog
+):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, slow = _model(strategy, [0.002, 0.002])
+    hooked = []
+    detector = kh.callbacks.StragglerDetector(
+        window=5, on_straggler=hooked.append, log_dir=str(tmp_path)
+    )
+    data = kh.data.shard(helpers.examples(rows=16 * 40), 16, strategy=strategy)
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        history = model.fit(
+            data,
+            epochs=1,
+            verbose=0,
+            callbacks=[_SlowDownAt(slow, 15, [0.002, 0.004]), detector],
+        )
+    stragglers = [e for e in detector.events if e.kind == "straggler"]
+    assert [e.replica for e in stragglers] == [1]
+    event = stragglers[0]
+    assert 15 < event.step <= 15 + 10
+    assert event.device.endswith("CPU:1") and event.worker == 0
+    assert event.relative_score < 0.7
+    assert hooked == detector.events
+    assert "replica 1 (worker 0" in caplog.text
+    assert history.history["straggler/flagged"] == [1]
+    assert history.history["straggler/relative_1"][0] < 0.7
+    assert list(tmp_path.iterdir())  # TensorBoard event file written
+
+
+def test_stop_action_stops_training_and_rebalance_action_moves_shares():
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, _ = _model(strategy, [0.001, 0.004])
+    data = kh.data.shard(helpers.examples(rows=16 * 40), 16, strategy=strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=1000)
+    saved = []
+
+    class Saver:
+        def save_now(self):
+            saved.append(True)
+
+    detector = kh.callbacks.StragglerDetector(
+        window=3,
+        action=["rebalance", "stop"],
+        rebalancer=rebalancer,
+        checkpoint=Saver(),
+    )
+    model.fit(data, epochs=1, verbose=0, callbacks=[rebalancer, detector])
+    assert detector.events and detector.events[0].replica == 1
+    assert saved == [True]
+    assert model.optimizer.iterations.numpy() < 40  # stopped early
+    assert data.shares[0] > 0.6  # the rebalancer acted at once
+
+
+def test_plain_keras_model_per_worker_individual_score():
+    model = helpers.compile_model(keras.Model(*helpers.layers()))
+
+    class Stall(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if 20 <= batch < 35:
+                time.sleep(0.05)
+
+    detector = kh.callbacks.StragglerDetector(window=5)
+    model.fit(
+        helpers.examples(rows=16 * 50).batch(16),
+        epochs=1,
+        verbose=0,
+        callbacks=[detector, Stall()],
+    )
+    kinds = [e.kind for e in detector.events]
+    assert kinds[:2] == ["straggler", "recovered"]
+    assert detector.events[0].individual_score < 0.7
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"threshold": 0.0}, ValueError, "threshold=0.0"),
+        ({"threshold": 1.5}, ValueError, "threshold"),
+        ({"patience": 0}, ValueError, "patience=0"),
+        ({"action": "explode"}, ValueError, "explode"),
+        ({"action": "rebalance"}, ValueError, "rebalancer"),
+        ({"on_straggler": "print"}, TypeError, "on_straggler"),
+        ({"hang_timeout": 0}, ValueError, "hang_timeout"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kh.callbacks.StragglerDetector(**kwargs)
+
+
+@pytest.mark.slow
+def test_hang_watchdog_names_the_missing_worker():
+    results = kh.testing.run_workers(workers_lib.hang_mwms, 2, timeout=240)
+    hangs = {r.index: r.value["hangs"] for r in results}
+    # Worker 1 stalls before step 6; worker 0 waits in the collective and
+    # names it. Training then completes on both.
+    assert hangs[0] and hangs[0][0] == (6, [1])
+    assert "worker(s) [1] have not reached it" in results[0].output
+    assert all(r.value["steps"] == 10 for r in results)
