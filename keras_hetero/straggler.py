@@ -18,6 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from keras_hetero import rebalance
+
 
 @dataclasses.dataclass(frozen=True)
 class StragglerEvent:
@@ -93,24 +95,15 @@ class ScoreState:
 
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
-    rows = np.asarray(rows, np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cost = np.where(
-            rows > 0, np.asarray(compute_seconds, np.float64) / rows, np.nan
-        )
-    readings = np.vstack([state.readings[1:], cost])
-    return dataclasses.replace(state, readings=readings, seen=state.seen + 1)
+    window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
+    return dataclasses.replace(
+        state, readings=window.readings, seen=state.seen + 1
+    )
 
 
 def current_costs(state):
     """Median cost per row per replica over the window (NaN: no reading)."""
-    result = np.full(state.readings.shape[1], np.nan)
-    for replica in range(state.readings.shape[1]):
-        values = state.readings[:, replica]
-        values = values[~np.isnan(values)]
-        if values.size:
-            result[replica] = np.median(values)
-    return result
+    return rebalance.SpeedWindow(state.readings).seconds_per_row()
 
 
 def scores(state):
