@@ -5,7 +5,9 @@ follows TensorFlow's own switch, `TF_USE_LEGACY_KERAS`.
 """
 
 from keras_hetero import callbacks
+from keras_hetero import checkpointing
 from keras_hetero import data
+from keras_hetero import launcher
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
 from keras_hetero.model import HeteroModel
@@ -18,6 +20,8 @@ __all__ = [
     "HeteroModel",
     "StepStats",
     "callbacks",
+    "checkpointing",
     "data",
+    "launcher",
     "testing",
 ]

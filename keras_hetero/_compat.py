@@ -167,6 +167,80 @@ def is_loss_scale_optimizer(optimizer):
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+def checkpoint_variables(model):
+    """Every variable a checkpoint must hold: model state, then optimizer.
+
+    Builds the optimizer's variables first if it has not run a step yet, so
+    a restore before the first step has somewhere to put the slots.
+
+    Returns:
+        `(names, variables)`, in a stable order for the same model code.
+    """
+    optimizer = model.optimizer
+    if optimizer is not None:
+        built = getattr(optimizer, "built", None)  # Keras 3
+        if built is None:  # tf-keras; its legacy optimizers cannot build
+            built = getattr(optimizer, "_built", False) or not hasattr(
+                optimizer, "build"
+            )
+        if not built:
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+    variables = list(model.variables)
+    if optimizer is not None:
+        extra = optimizer.variables
+        variables += list(extra() if callable(extra) else extra)
+    unique, seen = [], set()
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    names = [getattr(v, "path", None) or v.name for v in unique]
+    return names, unique
+
+
+class _ResumePoint:
+    """Stands in for tf-keras' `model._training_state`: tells `fit` which
+    epoch and step to start at, once (tf-keras asks after `on_train_begin`).
+    """
+
+    def __init__(self, epoch, step):
+        self.epoch, self.step = epoch, step
+
+    def maybe_load_initial_counters_from_ckpt(
+        self, steps_per_epoch, initial_epoch, mode=None
+    ):
+        epoch, step = self.epoch, self.step
+        self.epoch, self.step = initial_epoch, 0
+        return max(epoch, initial_epoch), step
+
+
+def set_initial_step(model, epoch, step, kwargs):
+    """Makes the coming `fit` start at `(epoch, step)`.
+
+    tf-keras supports a first step natively (its multi-worker fault
+    tolerance hook); Keras 3 only an initial epoch, so its data must end the
+    resumed epoch early (see `HeteroDataset.resume_at`).
+
+    Returns:
+        A function that undoes the change after `fit`.
+    """
+    kwargs["initial_epoch"] = max(kwargs.get("initial_epoch", 0), epoch)
+    if not IS_LEGACY:
+        return lambda: None
+    model._training_state = _ResumePoint(epoch, step)
+
+    def undo():
+        model._training_state = None
+
+    return undo
+
+
+# Keras 3 warns when a dataset ends before the epoch's step count; a resumed
+# epoch ends early on purpose (its first steps ran before the restart).
+RAN_OUT_OF_DATA = "Your input ran out of data"
+
+
 class Keras3TrainerOverrides:
     """Small replacements for Keras 3 TF-trainer internals.
 
@@ -180,9 +254,15 @@ class Keras3TrainerOverrides:
         # MultiWorkerMirroredStrategy ("Attempt to convert a value
         # (PerReplica...)"). Building only needs shapes: take replica 0's part,
         # with the batch dimension unknown (replica 0 may have 0 rows).
+        # It also pulls that batch from an extra iterator: an extra pass over
+        # the input (and a HeteroDataset pass that trains nothing). The
+        # distributed dataset's element spec has the shapes without reading.
         if self._distribute_strategy is None:
             return
-        if iterator is not None:
+        spec = _first_local_spec(iterator)
+        if spec is not None:
+            data_batch = tf.nest.map_structure(_unbatched_spec, spec)
+        elif iterator is not None:
             for _, _, it in iterator:
                 data_batch = next(it)
                 break
@@ -302,6 +382,21 @@ def first_local_values(strategy, structure):
         return value
 
     return tf.nest.map_structure(first, structure)
+
+
+def _first_local_spec(iterator):
+    """Replica 0's element spec of a Keras epoch iterator's dataset, or None."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def first(value):
+        parts = getattr(value, "_value_specs", None)
+        return parts[0] if parts else value
+
+    # A PerReplicaSpec (one spec per local replica) is a leaf of tf.nest.
+    return tf.nest.map_structure(first, spec)
 
 
 def _unbatched_spec(value):

@@ -62,3 +62,26 @@ def replica_id():
         return 0
     value = tf.get_static_value(context.replica_id_in_sync_group)
     return context.replica_id_in_sync_group if value is None else int(value)
+
+
+def is_chief(strategy):
+    """Whether this process writes shared files (checkpoints) for the job.
+
+    The `chief` task if the cluster has one, else worker 0; every process
+    of a single-worker strategy.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not is_multi_worker(strategy):
+        return True
+    cluster = resolver.cluster_spec().as_dict()
+    if "chief" in cluster:
+        return resolver.task_type == "chief"
+    return resolver.task_type in (None, "worker") and not resolver.task_id
+
+
+def num_workers(strategy):
+    """Worker processes in the job (1 unless multi-worker)."""
+    if not is_multi_worker(strategy):
+        return 1
+    cluster = strategy.cluster_resolver.cluster_spec().as_dict()
+    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))

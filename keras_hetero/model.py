@@ -15,6 +15,8 @@ rows + regularisers)`: exactly what one device computes on the concatenated
 global batch, for any split of rows (a replica may have none).
 """
 
+import warnings
+
 import tensorflow as tf
 
 from keras_hetero import _compat
@@ -203,7 +205,14 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         global_rows = tf.reduce_sum(stats[:num_replicas])
         grads = aggregation.divide(grads, global_rows)
         grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
-        _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
+        # Nothing in the optimizer's update may run before this step's data
+        # exists: its `iterations` increment reads no data, and in a
+        # tf.function ops on different resources are not ordered. When the
+        # input ends (an epoch of unknown length, a resumed epoch), the
+        # failing get_next must not leave a phantom step behind (the
+        # control dependency reaches the merge_call, see mirrored_run).
+        with tf.control_dependencies([global_rows]):
+            _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
         if hetero.telemetry is not None:
             hetero.telemetry.record(stats)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
@@ -268,6 +277,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
+        dataset = x
         if isinstance(x, HeteroDataset):
             # Global batches keep their order; shuffle the examples instead.
             kwargs.setdefault("shuffle", False)
@@ -289,7 +299,28 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             kwargs["validation_data"] = self._as_input(validation)
         if self._hetero.telemetry is not None:
             self._hetero.telemetry.reset()
-        return super().fit(x, y, *args, **kwargs)
+        checkpoints = _elastic_checkpoints(kwargs.get("callbacks"))
+        if not checkpoints:
+            return super().fit(x, y, *args, **kwargs)
+        if len(checkpoints) > 1 or not isinstance(dataset, HeteroDataset):
+            raise ValueError(
+                "ElasticCheckpoint needs exactly one ElasticCheckpoint in "
+                "`callbacks` and a `kh.data.HeteroDataset` as `x` (it "
+                "restores the data position). Received "
+                f"{len(checkpoints)} ElasticCheckpoint(s) and x of type "
+                f"{type(dataset).__name__}."
+            )
+        checkpoint = checkpoints[0]
+        checkpoint._attach(dataset, list(kwargs["callbacks"]))
+        undo = checkpoint._restore(self, kwargs)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", message=_compat.RAN_OUT_OF_DATA
+                )
+                return super().fit(x, y, *args, **kwargs)
+        finally:
+            undo()
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
@@ -475,6 +506,12 @@ def _check_options(
             f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
             "or None."
         )
+
+
+def _elastic_checkpoints(callbacks):
+    from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
+
+    return [c for c in callbacks or () if isinstance(c, ElasticCheckpoint)]
 
 
 def _batch_rows(x):

@@ -80,24 +80,9 @@ def assert_weights_close(actual, expected, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-_KEY_BASES = iter(range(10_000, 10_000_000, 10_000))
-
-
 def mirrored(devices):
-    """A MirroredStrategy whose collective keys cannot clash with another's.
-
-    Every MirroredStrategy numbers its collective groups from 1, so two live
-    instances over different device counts in one process collide ("joining
-    a group with size 3, but that group has size 2"). Real jobs have one
-    strategy per process; tests create many.
-    """
-    cls = tf.distribute.MirroredStrategy
-    saved = cls._collective_key_base
-    cls._collective_key_base = next(_KEY_BASES)
-    try:
-        return cls(devices)
-    finally:
-        cls._collective_key_base = saved
+    """See `kh.testing.mirrored`."""
+    return kh.testing.mirrored(devices)
 
 
 class RecordIds(keras.layers.Layer):

@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
+from keras_hetero import _compat
 
 
 def _strategies():
@@ -79,3 +80,22 @@ def test_weights_equal_single_device(make_strategy, shares, variant):
     assert len(stats.rows) == strategy.num_replicas_in_sync
     # The last global batch of the epoch holds the remaining 8 rows.
     assert stats.rows.sum() == helpers.ROWS % helpers.GLOBAL_BATCH
+
+
+def test_input_of_unknown_length_trains_exactly():
+    # The last call of each epoch finds no data; it must not leave a phantom
+    # optimizer step behind (momentum would move the weights).
+    reference, _ = helpers.reference_fit()
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    examples = helpers.examples().filter(lambda x, y: True)  # length unknown
+    data = kh.data.shard(
+        examples, helpers.GLOBAL_BATCH, strategy=strategy, shares=[0.75, 0.25]
+    )
+    assert data.num_batches is None
+    # tf-keras needs the epoch length of an unknown-length input.
+    kwargs = {"steps_per_epoch": 5} if _compat.IS_LEGACY else {}
+    model.fit(data, epochs=2, verbose=0, **kwargs)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())

@@ -168,7 +168,8 @@ class ShardRebalancer(keras.callbacks.Callback):
         # after this one is index `_pass_steps` of pass `_pass`.
         current = self.dataset.passes_started - 1
         if current != self._pass:
-            self._pass, self._pass_steps = current, 0
+            first = self.dataset._schedule.first_index(current)
+            self._pass, self._pass_steps = current, first
         self._pass_steps += steps
 
     def on_epoch_end(self, epoch, logs=None):
@@ -186,10 +187,12 @@ class ShardRebalancer(keras.callbacks.Callback):
         }
 
     def set_state(self, state):
-        """Restores `get_state()` output (the dataset's shares included)."""
+        """Restores `get_state()` output (and the dataset's share schedule,
+        if the state has one; `ElasticCheckpoint` restores shares itself)."""
         self._speeds = rebalance.SpeedWindow(
             np.asarray(state["readings"], np.float64)
         )
         self._steps = int(state["steps"])
         self._since_decision = int(state["since_decision"])
-        self.dataset._schedule.set_state(state["schedule"])
+        if "schedule" in state:
+            self.dataset._schedule.set_state(state["schedule"])

@@ -83,6 +83,19 @@ class HeteroDataset:
         """Passes over the data the input pipeline has started."""
         return self._schedule.passes_started
 
+    def resume_at(self, position):
+        """Continues from global batch `position = (pass, index)`.
+
+        The next pass the pipeline starts is numbered `pass` and its batches
+        before `index` are skipped (they were trained before a restart), so
+        the interrupted epoch sees every example exactly once. Used by
+        `kh.callbacks.ElasticCheckpoint`; call before `fit`.
+
+        Args:
+            position: `(pass, index)` of the first global batch to train.
+        """
+        self._schedule.resume_at(position)
+
     def shares_for_batch(self, batch):
         """The shares that split global batch `batch = (pass, index)`."""
         return self._schedule.shares_at(batch).copy()
@@ -132,12 +145,15 @@ class HeteroDataset:
         if repeat:
             batches = batches.repeat()
 
-        def split(index, batch):
+        def bounds_of(index, batch):
             total_rows = tf.shape(tf.nest.flatten(batch)[0])[0]
             bounds = tf.numpy_function(
                 self._schedule.next_bounds, [index, total_rows], tf.int64
             )
             bounds.set_shape([self.num_replicas + 1])
+            return bounds, batch
+
+        def split(bounds, batch):
             slices = []
             for replica in range(first_replica, first_replica + local_replicas):
                 start, end = bounds[replica], bounds[replica + 1]
@@ -156,10 +172,17 @@ class HeteroDataset:
                 dataset = dataset.concatenate(more)
             return dataset
 
-        split_batches = batches.enumerate().map(
-            lambda index, *batch: split(
-                index, batch[0] if len(batch) == 1 else batch
+        split_batches = (
+            batches.enumerate()
+            .map(
+                lambda index, *batch: bounds_of(
+                    index, batch[0] if len(batch) == 1 else batch
+                )
             )
+            # Batches trained before a restart (see `resume_at`) are skipped
+            # before the split and before any per-example map.
+            .filter(lambda bounds, batch: bounds[0] >= 0)
+            .map(split)
         )
         if local_replicas == 1:
             dataset = split_batches.map(lambda part: part)

@@ -3,6 +3,7 @@ simulated slow devices. Everything here is simulation; say so wherever a
 figure comes from it."""
 
 from keras_hetero.testing.devices import logical_cpus
+from keras_hetero.testing.devices import mirrored
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
 from keras_hetero.testing.step_timer import StepTimer
 from keras_hetero.testing.workers import WorkerError
@@ -17,5 +18,6 @@ __all__ = [
     "WorkerResult",
     "free_ports",
     "logical_cpus",
+    "mirrored",
     "run_workers",
 ]

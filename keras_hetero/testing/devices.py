@@ -53,3 +53,36 @@ def logical_cpus(n):
                 "pytest conftest)."
             ) from None
     return [f"/device:CPU:{i}" for i in range(n)]
+
+
+_KEY_BASES = iter(range(10_000, 10_000_000, 10_000))
+
+
+def mirrored(devices):
+    """A MirroredStrategy whose collective keys cannot clash with another's.
+
+    Every `tf.distribute.MirroredStrategy` numbers its collective groups from
+    the same base, so two live instances over different device counts in one
+    process collide ("joining a group with size 4, but that group has size
+    2"). Real jobs have one strategy per process; tests and benchmarks that
+    create several should use this.
+
+    Args:
+        devices: Device names, as for `tf.distribute.MirroredStrategy`.
+
+    Returns:
+        A `tf.distribute.MirroredStrategy` over `devices`.
+
+    Example:
+
+    >>> strategy = mirrored(logical_cpus(2))
+    >>> strategy.num_replicas_in_sync
+    2
+    """
+    cls = tf.distribute.MirroredStrategy
+    saved = cls._collective_key_base
+    cls._collective_key_base = next(_KEY_BASES)
+    try:
+        return cls(devices)
+    finally:
+        cls._collective_key_base = saved

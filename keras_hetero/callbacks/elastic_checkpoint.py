@@ -1,0 +1,506 @@
+"""`ElasticCheckpoint`: exact mid-epoch resume, async, atomic, elastic."""
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero import checkpointing
+from keras_hetero._compat import keras
+
+logger = logging.getLogger("keras_hetero")
+
+
+class ElasticCheckpoint(keras.callbacks.Callback):
+    """Saves training so a restarted job continues at the exact next step.
+
+    Pass it to `HeteroModel.fit` with a `kh.data.HeteroDataset`. On every
+    `fit` it first looks in `directory` for the newest checkpoint that
+    verifies and, if there is one, restores model and optimizer variables
+    (under Keras 3 incl. the layers' random seed state), the epoch and
+    step, the dataset's shares, and the state of a `ShardRebalancer` /
+    `StragglerDetector` in the same `fit`. The interrupted epoch continues
+    with the next global batch not yet trained: no example of it is seen
+    twice or skipped. A job restarted with another number of workers or
+    replicas resumes the same way (global batches are unchanged; shares
+    and per-replica callback state start afresh).
+
+    Saving: every `save_every` (steps, a duration, or `"auto"` = Young/Daly
+    `sqrt(2 * save_cost * mtbf)` from the measured cost, re-tuned after each
+    save), at the end of `fit`, on `save_now()`, and when the process gets
+    SIGTERM or SIGINT (then `fit` stops at the next step boundary and, with
+    `exit_on_signal`, the process exits with `PREEMPTED_EXIT_CODE`). With
+    `async_save` the variables are copied on the training thread and written
+    by a background thread; at most one save is in flight. Every save is
+    atomic (see `kh.checkpointing`): a crash mid-write leaves the previous
+    checkpoint as the newest valid one, and a corrupt or truncated newest
+    checkpoint is skipped with a warning. Only the chief (worker 0) writes;
+    all workers restore, so under MultiWorkerMirroredStrategy `directory`
+    must be one every worker can read (shared storage across machines).
+
+    Exact resume needs the examples in the same order every epoch (no
+    `shuffle` with `reshuffle_each_iteration=True` unless seeded per epoch,
+    e.g. shuffle the file list once with a fixed seed). Metrics of the
+    resumed epoch cover its remaining steps.
+
+    Args:
+        directory: Where checkpoints go; created if missing.
+        save_every: Positive int (steps), duration ("30s", "5m", "2h"), or
+            "auto". Defaults to `"auto"`.
+        keep: Checkpoints kept, >= 1. Defaults to `3`.
+        async_save: Write in a background thread. Defaults to `True`.
+        mtbf: Mean time between failures for "auto" (seconds or duration).
+            Defaults to `"1h"` (preemptible machines; raise it for reliable
+            ones).
+        exit_on_signal: After a signal-triggered save, exit the process with
+            `PREEMPTED_EXIT_CODE` when `fit` returns. Defaults to `True`.
+        signals: Signals that trigger save-and-stop. Defaults to SIGTERM and
+            SIGINT (a second SIGINT interrupts at once).
+
+    Raises:
+        ValueError: For an unwritable `directory`, a bad `save_every` or
+            `mtbf`, or `keep` < 1.
+
+    Example:
+
+    >>> ckpt = ElasticCheckpoint("/tmp/run1", save_every="5m")  # doctest: +SKIP
+    >>> model.fit(data, epochs=3, callbacks=[ckpt])  # doctest: +SKIP
+    """
+
+    PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect
+
+    def __init__(
+        self,
+        directory,
+        save_every="auto",
+        keep=3,
+        async_save=True,
+        *,
+        mtbf="1h",
+        exit_on_signal=True,
+        signals=(signal.SIGTERM, signal.SIGINT),
+    ):
+        super().__init__()
+        self.save_every = checkpointing.parse_save_every(save_every)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(
+                "Invalid value for argument `keep`. Received: "
+                f"keep={keep!r}. Expected an integer >= 1."
+            )
+        self.mtbf = checkpointing.parse_duration(mtbf, "mtbf")
+        self.directory = os.fspath(directory)
+        self.keep = keep
+        self.async_save = bool(async_save)
+        self.exit_on_signal = bool(exit_on_signal)
+        self.signals = tuple(signals)
+        _check_directory(self.directory, write=_chief_from_env())
+        self._writer = None
+        self._error = None
+        self._lock = threading.Lock()
+        self._saves = {}  # step -> [blocking seconds, write seconds]
+        self.restored_from = None
+        self.preempted = False
+        self._pending_states = None
+        self._companions = []
+        self._dataset = None
+        self._reset_counters()
+
+    # --- what HeteroModel.fit calls ----------------------------------------
+
+    def _attach(self, dataset, callbacks):
+        """Called by `HeteroModel.fit` with its dataset and callbacks."""
+        self._dataset = dataset
+        self._companions = [
+            c for c in callbacks if c is not self and hasattr(c, "get_state")
+        ]
+
+    def _restore(self, model, kwargs):
+        """Loads the newest valid checkpoint into `model` before `fit`.
+
+        Returns:
+            A function that undoes `fit` argument changes afterwards.
+        """
+        self._chief = _distribute.is_chief(model.distribute_strategy)
+        if _distribute.is_parameter_server(model.distribute_strategy):
+            raise NotImplementedError(
+                "ElasticCheckpoint does not support ParameterServerStrategy "
+                "yet; use MirroredStrategy or MultiWorkerMirroredStrategy."
+            )
+        self._reset_counters()
+        found = checkpointing.newest_valid(self.directory)
+        if found is None:
+            return lambda: None
+        path, state = found
+        started = time.perf_counter()
+        names, variables = _compat.checkpoint_variables(model)
+        shapes = [list(v.shape) for v in variables]
+        if state["shapes"] != shapes:
+            raise ValueError(
+                f"Checkpoint {path} does not fit this model: it holds "
+                f"{len(state['shapes'])} variables "
+                f"({_summary(state['variables'], state['shapes'])}), the "
+                f"model and optimizer have {len(shapes)} "
+                f"({_summary(names, shapes)}). Use a new `directory` for a "
+                "different model."
+            )
+        arrays = checkpointing.read_arrays(path, state["tensors"])
+        for variable, array in zip(variables, arrays):
+            variable.assign(array)
+        dataset = self._dataset
+        if dataset.global_batch_size != state["global_batch_size"]:
+            raise ValueError(
+                f"Checkpoint {path} was written with global batch size "
+                f"{state['global_batch_size']}; the dataset has "
+                f"{dataset.global_batch_size}. Resume with the same global "
+                "batch size (examples per step), whatever the worker count."
+            )
+        epoch, step = state["epoch"], state["step_in_epoch"]
+        same_replicas = state["num_replicas"] == dataset.num_replicas
+        if same_replicas:
+            dataset.shares = state["shares"]
+            self._pending_states = state["callbacks"]
+        else:
+            logger.warning(
+                "ElasticCheckpoint: resuming a %d-replica checkpoint (%d "
+                "worker(s)) with %d replicas (%d worker(s)); global batches "
+                "continue exactly, shares and per-replica callback state "
+                "start afresh.",
+                state["num_replicas"],
+                state["num_workers"],
+                dataset.num_replicas,
+                _distribute.num_workers(model.distribute_strategy),
+            )
+        dataset.resume_at((0, step))
+        self._epoch, self._step_in_epoch = epoch, step
+        self._global_step = state["global_step"]
+        self._resume_step = step
+        self.restored_from = path
+        logger.warning(
+            "ElasticCheckpoint: restored %s in %.2fs; continuing at epoch "
+            "%d, step %d (global step %d).",
+            path,
+            time.perf_counter() - started,
+            epoch,
+            step,
+            self._global_step,
+        )
+        return _compat.set_initial_step(model, epoch, step, kwargs)
+
+    # --- lifecycle ----------------------------------------------------------
+
+    def _reset_counters(self):
+        self._epoch = 0
+        self._step_in_epoch = 0
+        self._global_step = 0
+        self._resume_step = 0
+        self._since_save = 0
+        self._last_save_time = None
+        self._cost = None
+        self._write_seconds = None
+        self._stop_requested = False
+
+    def on_train_begin(self, logs=None):
+        if self._dataset is None:
+            raise ValueError(
+                "ElasticCheckpoint needs `kh.HeteroModel.fit` with a "
+                "`kh.data.HeteroDataset` (it restores the data position). "
+                "Received a model of type "
+                f"{type(self.model).__name__}; swap `keras.Model` for "
+                "`kh.HeteroModel` and pass `kh.data.shard(...)` to `fit`."
+            )
+        if self._chief:
+            os.makedirs(self.directory, exist_ok=True)
+            checkpointing.remove_partial(self.directory)
+        self.preempted = False
+        self._last_save_time = time.monotonic()
+        self._install_signal_handlers()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self._epoch:
+            self._epoch, self._step_in_epoch = epoch, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._pending_states is not None:
+            # After the companions' own on_train_begin reset them.
+            states, self._pending_states = self._pending_states, None
+            for companion in self._companions:
+                state = states.get(type(companion).__name__)
+                if state is not None:
+                    companion.set_state(state)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._raise_writer_error()
+        self._global_step += 1
+        self._step_in_epoch += 1
+        self._since_save += 1
+        if self._stop_requested:
+            self.preempted = True
+            self.save_now()
+            self.model.stop_training = True
+            return
+        if self._chief and self._due():
+            self._save(wait=not self.async_save)
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keras also ends an epoch that `stop_training` cut short; only a
+        # complete one moves the position to the next epoch.
+        steps = (self.params or {}).get("steps")
+        if steps:
+            complete = self._step_in_epoch >= steps
+        else:
+            complete = not self.model.stop_training
+        if complete:
+            self._epoch, self._step_in_epoch = epoch + 1, 0
+
+    def on_train_end(self, logs=None):
+        self._restore_signal_handlers()
+        if self._since_save and not self.preempted:
+            self.save_now()
+        self._join()
+        self._raise_writer_error()
+        self._dataset = None
+        if self.preempted and self.exit_on_signal:
+            logger.warning(
+                "ElasticCheckpoint: stopped on a signal after saving step "
+                "%d; exiting with status %d.",
+                self._global_step,
+                self.PREEMPTED_EXIT_CODE,
+            )
+            raise SystemExit(self.PREEMPTED_EXIT_CODE)
+
+    # --- saving -------------------------------------------------------------
+
+    def save_now(self):
+        """Saves the current step and waits until it is on disk (chief).
+
+        Waits for a save in flight first. Other workers do nothing.
+        """
+        if getattr(self, "_chief", True) and self.model is not None:
+            self._join()
+            self._save(wait=True)
+
+    def _due(self):
+        if self._writer is not None and self._writer.is_alive():
+            return False  # at most one save in flight
+        every = self.save_every
+        if every.steps is not None:
+            return self._since_save >= every.steps
+        elapsed = time.monotonic() - self._last_save_time
+        if every.seconds is not None:
+            return elapsed >= every.seconds
+        if self._cost is None:
+            return True  # measure the cost once, early
+        return elapsed >= self.interval
+
+    @property
+    def interval(self):
+        """Seconds between "auto" saves (Young/Daly), or None before the
+        first save."""
+        if self._cost is None:
+            return None
+        return checkpointing.young_daly_interval(
+            self._cost,
+            self.mtbf,
+            minimum=1.5 * (self._write_seconds or 0.0),
+        )
+
+    def _position(self):
+        """`(epoch, step)` of the next step to train; an epoch whose last
+        step ran is complete even before Keras calls `on_epoch_end`."""
+        steps = (self.params or {}).get("steps")
+        if steps and self._step_in_epoch >= steps:
+            return self._epoch + 1, 0
+        return self._epoch, self._step_in_epoch
+
+    def _state(self, names, variables):
+        dataset = self._dataset
+        epoch, step_in_epoch = self._position()
+        return {
+            "global_step": self._global_step,
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "global_batch_size": dataset.global_batch_size,
+            "num_replicas": dataset.num_replicas,
+            "num_workers": _distribute.num_workers(
+                self.model.distribute_strategy
+            ),
+            "shares": [float(s) for s in dataset.shares],
+            "callbacks": {
+                type(c).__name__: _plain(_without_schedule(c.get_state()))
+                for c in self._companions
+            },
+            "variables": names,
+            "shapes": [list(v.shape) for v in variables],
+            "flavour": _compat.FLAVOUR,
+            "time": time.time(),
+        }
+
+    def _save(self, wait):
+
+        started = time.perf_counter()
+        names, variables = _compat.checkpoint_variables(self.model)
+        arrays = [np.array(v.numpy()) for v in variables]
+        state = self._state(names, variables)
+        step = self._global_step
+        self._since_save = 0
+        self._last_save_time = time.monotonic()
+        with self._lock:
+            self._saves[step] = [None, None]
+
+        def write():
+            write_started = time.perf_counter()
+            try:
+                checkpointing.write(self.directory, step, arrays, state)
+                checkpointing.prune(self.directory, self.keep)
+            except BaseException as error:  # surfaced on the main thread
+                with self._lock:
+                    self._error = error
+                    del self._saves[step]
+                return
+            seconds = time.perf_counter() - write_started
+            with self._lock:
+                self._write_seconds = _ema(self._write_seconds, seconds)
+                self._saves[step][1] = seconds
+
+        if wait:
+            write()
+            self._raise_writer_error()
+        else:
+            self._writer = threading.Thread(
+                target=write, name="keras_hetero-checkpoint", daemon=True
+            )
+            self._writer.start()
+        blocking = time.perf_counter() - started
+        with self._lock:
+            self._cost = _ema(self._cost, blocking)
+            if step in self._saves:
+                self._saves[step][0] = blocking
+
+    @property
+    def saves(self):
+        """`(step, seconds training was blocked, seconds the write took)`
+        per save of this callback, oldest first (write None while in
+        flight)."""
+        with self._lock:
+            return [(s, b, w) for s, (b, w) in sorted(self._saves.items())]
+
+    def _join(self):
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _raise_writer_error(self):
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(
+                f"ElasticCheckpoint could not write to {self.directory}: "
+                f"{error}"
+            ) from error
+
+    # --- signals ------------------------------------------------------------
+
+    def _install_signal_handlers(self):
+        self._previous_handlers = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for number in self.signals:
+            self._previous_handlers[number] = signal.signal(
+                number, self._on_signal
+            )
+
+    def _restore_signal_handlers(self):
+        for number, handler in getattr(self, "_previous_handlers", {}).items():
+            signal.signal(number, handler)
+        self._previous_handlers = {}
+
+    def _on_signal(self, number, frame):
+        if self._stop_requested and number == signal.SIGINT:
+            self._restore_signal_handlers()
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        logger.warning(
+            "ElasticCheckpoint: got %s; saving at the next step boundary, "
+            "then stopping.",
+            signal.Signals(number).name,
+        )
+
+    # --- state --------------------------------------------------------------
+
+    def get_state(self):
+        """Counters as plain data (the checkpoint itself is on disk)."""
+        return {
+            "global_step": self._global_step,
+            "epoch": self._epoch,
+            "step_in_epoch": self._step_in_epoch,
+        }
+
+
+def _ema(old, new, weight=0.3):
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+def _without_schedule(state):
+    # The share schedule is keyed by this process's input passes; the
+    # checkpoint carries the shares in force instead.
+    if isinstance(state, dict):
+        return {k: v for k, v in state.items() if k != "schedule"}
+    return state
+
+
+def _plain(value):
+    return json.loads(json.dumps(value, default=_to_builtin))
+
+
+def _to_builtin(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.asdict(value)
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+def _summary(names, shapes, limit=3):
+    head = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes[:limit]))
+    return head + (", ..." if len(names) > limit else "")
+
+
+def _chief_from_env():
+    try:
+        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    except ValueError:
+        return True
+    task = config.get("task") or {}
+    cluster = config.get("cluster") or {}
+    if "chief" in cluster:
+        return task.get("type") == "chief"
+    return not task.get("index", 0)
+
+
+def _check_directory(directory, write):
+    try:
+        if write:
+            os.makedirs(directory, exist_ok=True)
+            probe = os.path.join(directory, f".probe-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        elif os.path.exists(directory) and not os.access(directory, os.R_OK):
+            raise PermissionError("not readable")
+    except OSError as error:
+        raise ValueError(
+            "Invalid value for argument `directory`. Received: "
+            f"directory={directory!r}, which cannot be "
+            f"{'written' if write else 'read'} ({error}). Expected a "
+            "directory this process can create and write to."
+        ) from None

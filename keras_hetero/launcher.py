@@ -1,0 +1,331 @@
+"""`keras-hetero run`: start N local workers, restart the group on failure.
+
+Each worker is `python SCRIPT ARGS` with `TF_CONFIG` naming a cluster of
+`workers` tasks on free 127.0.0.1 ports, and these variables:
+
+- `KERAS_HETERO_RESTART`: how many times the group was restarted (0 first);
+- `KERAS_HETERO_NUM_WORKERS`: workers in this attempt.
+
+Every output line is prefixed with `[worker i]`. When a worker exits with a
+non-zero status, the others are stopped (SIGTERM, then SIGKILL after
+`grace_seconds`) and the group starts again on new ports, up to
+`max_restarts` times: with the same number of workers, or, with
+`min_workers`, with the survivors (but not fewer than `min_workers`).
+Training continues where it was if the script uses
+`kh.callbacks.ElasticCheckpoint`. Ctrl-C (SIGINT) or SIGTERM to the launcher
+sends SIGTERM to every worker (ElasticCheckpoint saves and stops), waits
+`grace_seconds`, kills what is left, and exits 130 (SIGINT) or 143.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from keras_hetero.testing.workers import free_ports
+
+RESTART_ENV = "KERAS_HETERO_RESTART"
+NUM_WORKERS_ENV = "KERAS_HETERO_NUM_WORKERS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One start of the worker group.
+
+    Attributes:
+        workers: How many workers it had.
+        exit_codes: Each worker's exit status (negative: killed by signal).
+        failed: Indices of the workers that failed first.
+    """
+
+    workers: int
+    exit_codes: tuple
+    failed: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """What `launch` did.
+
+    Attributes:
+        exit_code: 0 on success, else the first failing worker's status
+            (128 + signal number for a signal), or 130 / 143 when the
+            launcher itself was interrupted.
+        attempts: One `Attempt` per start of the group.
+    """
+
+    exit_code: int
+    attempts: tuple
+
+
+def launch(
+    command,
+    workers,
+    *,
+    max_restarts=3,
+    min_workers=None,
+    grace_seconds=30.0,
+    env=None,
+    output=None,
+):
+    """Runs `command` as `workers` local TF workers, restarting on failure.
+
+    Args:
+        command: The worker command, a list such as
+            `[sys.executable, "train.py", "--epochs", "3"]`.
+        workers: Workers to start, >= 1.
+        max_restarts: Restarts after failures before giving up, >= 0.
+            Defaults to `3`.
+        min_workers: If set, a restart keeps only the survivors (failed
+            workers are not replaced) but at least this many. Defaults to
+            None (always `workers`).
+        grace_seconds: How long stopped workers get to exit before SIGKILL.
+            Defaults to `30.0`.
+        env: Extra environment variables for the workers. Defaults to None.
+        output: A text stream for the prefixed worker output. Defaults to
+            `sys.stdout`.
+
+    Returns:
+        A `LaunchResult`.
+
+    Raises:
+        ValueError: For `workers` < 1, `max_restarts` < 0, `min_workers`
+            outside [1, workers], or an empty `command`.
+
+    Example:
+
+    >>> result = launch([sys.executable, "train.py"], 2)  # doctest: +SKIP
+    >>> result.exit_code  # doctest: +SKIP
+    0
+    """
+    _check_int("workers", workers, 1)
+    _check_int("max_restarts", max_restarts, 0)
+    if min_workers is not None:
+        _check_int("min_workers", min_workers, 1)
+        if min_workers > workers:
+            raise ValueError(
+                "Invalid value for argument `min_workers`. Received: "
+                f"min_workers={min_workers!r}. Expected at most "
+                f"workers={workers}."
+            )
+    if not command:
+        raise ValueError(
+            "Invalid value for argument `command`. Received: command="
+            f"{command!r}. Expected the worker command, e.g. "
+            '[sys.executable, "train.py"].'
+        )
+    output = output or sys.stdout
+    group = _Group(output, grace_seconds)
+    previous = (
+        {
+            number: signal.signal(number, group.interrupt)
+            for number in (signal.SIGINT, signal.SIGTERM)
+        }
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    attempts = []
+    count = workers
+    try:
+        for restart in range(max_restarts + 1):
+            codes, failed = group.run(command, count, restart, env or {})
+            attempts.append(Attempt(count, tuple(codes), tuple(failed)))
+            if group.interrupted is not None:
+                code = 128 + group.interrupted
+                return LaunchResult(code, tuple(attempts))
+            if not failed:
+                return LaunchResult(0, tuple(attempts))
+            status = _status(codes[failed[0]])
+            _say(
+                output,
+                f"[launcher] worker(s) {list(failed)} failed (exit "
+                f"{[codes[i] for i in failed]}) in attempt {restart}",
+            )
+            if restart == max_restarts:
+                _say(output, f"[launcher] no restarts left; exit {status}")
+                return LaunchResult(status, tuple(attempts))
+            if min_workers is not None:
+                count = max(min_workers, count - len(failed))
+            _say(output, f"[launcher] restarting with {count} worker(s)")
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    raise AssertionError("unreachable")
+
+
+class _Group:
+    def __init__(self, output, grace_seconds):
+        self.output = output
+        self.grace_seconds = grace_seconds
+        self.interrupted = None
+        self.processes = []
+        self._lock = threading.Lock()
+
+    def interrupt(self, number, frame):
+        if self.interrupted is not None:
+            self._kill_all()  # a second signal: no more grace
+            return
+        self.interrupted = number
+        _say(
+            self.output,
+            f"[launcher] got {signal.Signals(number).name}; stopping workers",
+        )
+        self._terminate_all()
+
+    def run(self, command, count, restart, extra_env):
+        ports = free_ports(count)
+        cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+        self.processes, readers = [], []
+        for index in range(count):
+            env = dict(os.environ)
+            env.update(extra_env)
+            env["TF_CONFIG"] = json.dumps(
+                {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            )
+            env[RESTART_ENV] = str(restart)
+            env[NUM_WORKERS_ENV] = str(count)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            process = subprocess.Popen(
+                list(command),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # our signals only, not the tty's
+            )
+            self.processes.append(process)
+            reader = threading.Thread(
+                target=self._relay, args=(index, process), daemon=True
+            )
+            reader.start()
+            readers.append(reader)
+        _say(
+            self.output,
+            f"[launcher] attempt {restart}: {count} worker(s) on ports {ports}",
+        )
+        failed = []
+        while True:
+            codes = [p.poll() for p in self.processes]
+            failed = [
+                i for i, c in enumerate(codes) if c is not None and c != 0
+            ]
+            if failed or all(c is not None for c in codes):
+                break
+            if self.interrupted is not None:
+                break
+            time.sleep(0.05)
+        if failed or self.interrupted is not None:
+            self._terminate_all()
+        codes = [p.wait() for p in self.processes]
+        for reader in readers:
+            reader.join(timeout=5)
+        return codes, failed
+
+    def _relay(self, index, process):
+        for raw in iter(process.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            _say(self.output, f"[worker {index}] {line}")
+        process.stdout.close()
+
+    def _terminate_all(self):
+        for process in self.processes:
+            _signal(process, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_all()
+
+    def _kill_all(self):
+        for process in self.processes:
+            _signal(process, signal.SIGKILL)
+
+
+def _signal(process, number):
+    if process.poll() is None:
+        try:
+            process.send_signal(number)
+        except ProcessLookupError:
+            pass
+
+
+_OUTPUT_LOCK = threading.Lock()
+
+
+def _say(output, line):
+    with _OUTPUT_LOCK:
+        output.write(line + "\n")
+        output.flush()
+
+
+def _status(code):
+    return 128 - code if code < 0 else code
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: "
+            f"{name}={value!r}. Expected an integer >= {low}."
+        )
+
+
+def main(argv=None):
+    """`keras-hetero run` / `python -m keras_hetero.run`."""
+    parser = argparse.ArgumentParser(
+        prog="keras-hetero",
+        description="Launch keras-hetero training on local workers.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="start N workers with TF_CONFIG on 127.0.0.1 and restart them "
+        "on failure",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_run_arguments(run)
+    args = parser.parse_args(argv)
+    return _run(args)
+
+
+def run_main(argv=None):
+    """`python -m keras_hetero.run ...` (the `run` arguments only)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_hetero.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_run_arguments(parser)
+    return _run(parser.parse_args(argv))
+
+
+def _add_run_arguments(parser):
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--min-workers", type=int, default=None)
+    parser.add_argument("--grace-seconds", type=float, default=30.0)
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def _run(args):
+    try:
+        result = launch(
+            [sys.executable, args.script, *args.script_args],
+            args.workers,
+            max_restarts=args.max_restarts,
+            min_workers=args.min_workers,
+            grace_seconds=args.grace_seconds,
+        )
+    except ValueError as error:
+        print(f"keras-hetero: {error}", file=sys.stderr)
+        return 2
+    return result.exit_code

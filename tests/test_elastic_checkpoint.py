@@ -1,0 +1,352 @@
+"""ElasticCheckpoint in one process: exact resume, atomicity, bad input."""
+
+import logging
+import os
+import shutil
+
+import helpers
+import numpy as np
+import pytest
+from conftest import DEVICES
+
+import keras_hetero as kh
+from keras_hetero import checkpointing
+from keras_hetero._compat import keras
+
+BATCH = 8
+ROWS = 80  # 10 global batches per epoch
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops `fit` after `steps` train steps (a stand-in for a crash that
+    happens right after a save)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+        self.done = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.steps:
+            self.model.stop_training = True
+
+
+class StepIds(keras.callbacks.Callback):
+    """Splits the ids a RecordIds layer saw into train steps."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen, self.steps, self._mark = seen, [], 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append(sorted(self.seen[self._mark :]))
+        self._mark = len(self.seen)
+
+
+def _model(strategy, seen, seed):
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        return helpers.id_model(seen, 0.0)
+
+
+def _data(strategy, shares=None):
+    return kh.data.shard(
+        helpers.id_examples(ROWS), BATCH, strategy=strategy, shares=shares
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_mid_epoch_resume_continues_exactly(tmp_path, async_save):
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+
+    seen = []
+    first = _model(strategy, seen, seed=1)
+    first.set_weights(initial)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        tmp_path, save_every=3, async_save=async_save
+    )
+    first.fit(
+        _data(strategy, [0.75, 0.25]),
+        epochs=2,
+        verbose=0,
+        callbacks=[ckpt, StopAfter(4)],
+    )
+    assert ckpt.restored_from is None
+    assert checkpointing.read_latest(tmp_path) == "ckpt-0000000004"
+    trained_before = list(seen)
+    assert len(trained_before) == 4 * BATCH
+
+    # A new process would build the model afresh: other initial weights.
+    seen.clear()
+    second = _model(strategy, seen, seed=99)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=3)
+    history = second.fit(
+        _data(strategy), epochs=2, verbose=0, callbacks=[resumed]
+    )
+    assert resumed.restored_from.endswith("ckpt-0000000004")
+    epoch0 = trained_before + seen[: ROWS - len(trained_before)]
+    epoch1 = seen[ROWS - len(trained_before) :]
+    assert sorted(epoch0) == list(range(ROWS))
+    assert sorted(epoch1) == list(range(ROWS))
+    assert len(history.history["loss"]) == 2
+    # Same shares restored (the checkpoint carried them).
+    np.testing.assert_allclose(second_shares(resumed), [0.75, 0.25])
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+def second_shares(callback):
+    state = checkpointing.verify(
+        os.path.join(
+            callback.directory, checkpointing.read_latest(callback.directory)
+        )
+    )
+    return state["shares"]
+
+
+def test_resume_with_fewer_replicas_is_exactly_once(tmp_path):
+    two = helpers.mirrored(DEVICES[:2])
+    seen = []
+    model = _model(two, seen, seed=1)
+    model.fit(
+        _data(two, [0.25, 0.75]),
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            StopAfter(6),
+        ],
+    )
+    before = list(seen)
+    seen.clear()
+    one = helpers.mirrored(DEVICES[:1])
+    model = _model(one, seen, seed=5)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1)
+    model.fit(_data(one), epochs=1, verbose=0, callbacks=[resumed])
+    assert resumed.restored_from is not None
+    assert sorted(before + seen) == list(range(ROWS))
+
+
+def test_truncated_latest_falls_back_to_previous(tmp_path, caplog):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        tmp_path, save_every=2, async_save=False, keep=5
+    )
+    model.fit(
+        _data(strategy), epochs=1, verbose=0, callbacks=[ckpt, StopAfter(6)]
+    )
+    names = checkpointing.list_checkpoints(tmp_path)
+    assert names == ["ckpt-0000000002", "ckpt-0000000004", "ckpt-0000000006"]
+    data_file = [
+        f
+        for f in os.listdir(tmp_path / names[-1])
+        if f.startswith(checkpointing.TENSORS + ".data")
+    ][0]
+    path = tmp_path / names[-1] / data_file
+    path.write_bytes(path.read_bytes()[:-4])
+
+    seen = []
+    resumed_model = _model(strategy, seen, seed=3)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=100)
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        resumed_model.fit(
+            _data(strategy), epochs=1, verbose=0, callbacks=[resumed]
+        )
+    assert resumed.restored_from.endswith("ckpt-0000000004")
+    assert "skipping checkpoint ckpt-0000000006" in caplog.text
+    assert "truncated" in caplog.text
+    assert len(seen) == ROWS - 4 * BATCH
+
+
+def test_keeps_newest_and_never_leaves_partial_directories(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        tmp_path, save_every=1, keep=2, async_save=False
+    )
+    model.fit(_data(strategy), epochs=1, verbose=0, callbacks=[ckpt])
+    assert checkpointing.list_checkpoints(tmp_path) == [
+        "ckpt-0000000009",
+        "ckpt-0000000010",
+    ]
+    assert checkpointing.read_latest(tmp_path) == "ckpt-0000000010"
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    assert leftovers == []
+    assert [step for step, _, _ in ckpt.saves] == list(range(1, 11))
+
+
+def test_async_saves_never_overlap(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    ckpt = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1, keep=20)
+    model.fit(_data(strategy), epochs=1, verbose=0, callbacks=[ckpt])
+    steps = [step for step, _, _ in ckpt.saves]
+    # Every save is complete on disk, a step that came while one was in
+    # flight waited for the next boundary, and the last step is saved.
+    assert steps == sorted(set(steps)) and steps[-1] == 10
+    names = checkpointing.list_checkpoints(tmp_path)
+    assert names == [checkpointing.checkpoint_name(s) for s in steps]
+    for name in names:
+        checkpointing.verify(os.path.join(tmp_path, name))
+    assert all(w is not None for _, _, w in ckpt.saves)
+
+
+def test_finished_job_restarts_as_a_no_op(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    model.fit(
+        _data(strategy),
+        epochs=1,
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+    )
+    weights = model.get_weights()
+    seen = []
+    again = _model(strategy, seen, seed=2)
+    again.fit(
+        _data(strategy),
+        epochs=1,
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+    )
+    assert seen == []
+    helpers.assert_weights_close(again.get_weights(), weights)
+
+
+def test_rebalancer_state_travels_with_the_checkpoint(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    data = _data(strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=2)
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            rebalancer,
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            StopAfter(5),
+        ],
+    )
+    saved = rebalancer.get_state()
+    data = _data(strategy)
+    restored = kh.callbacks.ShardRebalancer(data, every_n_steps=2)
+    probe = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not probe:
+                probe.append(restored.get_state())
+
+    model = _model(strategy, [], seed=1)
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            restored,
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            Probe(),
+        ],
+    )
+    assert probe[0]["steps"] == saved["steps"]
+    np.testing.assert_allclose(probe[0]["readings"], saved["readings"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"save_every": "soon"}, "save_every='soon'"),
+        ({"save_every": 0}, "save_every=0"),
+        ({"save_every": "-5m"}, "save_every='-5m'"),
+        ({"keep": 0}, "keep=0"),
+        ({"mtbf": "never"}, "mtbf='never'"),
+    ],
+)
+def test_bad_arguments_fail_before_training(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kh.callbacks.ElasticCheckpoint(tmp_path, **kwargs)
+
+
+def test_unwritable_directory_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot be written"):
+        kh.callbacks.ElasticCheckpoint(blocker / "ckpt")
+
+
+def test_plain_dataset_is_rejected(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    with pytest.raises(ValueError, match="HeteroDataset"):
+        model.fit(
+            helpers.id_examples(ROWS).batch(BATCH),
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+            verbose=0,
+        )
+
+
+def test_different_model_is_a_clear_error(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    model.fit(
+        _data(strategy),
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), StopAfter(2)],
+    )
+    with strategy.scope():
+        other = helpers.hetero_model()
+    data = kh.data.shard(helpers.examples(), BATCH, strategy=strategy)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        other.fit(
+            data,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+        )
+
+
+def test_young_daly_interval_and_parsing():
+    assert checkpointing.parse_save_every(25).steps == 25
+    assert checkpointing.parse_save_every("90s").seconds == 90.0
+    assert checkpointing.parse_save_every("2h").seconds == 7200.0
+    assert checkpointing.parse_save_every("auto").auto
+    # sqrt(2 * 2 s * 3600 s) = 120 s; a slow background write bounds it.
+    assert checkpointing.young_daly_interval(2.0, 3600) == pytest.approx(120)
+    assert checkpointing.young_daly_interval(2.0, 3600, minimum=300) == 300
+
+
+def test_save_after_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+    model = _model(strategy, [], seed=1)
+    model.set_weights(initial)
+    # Step 10 ends epoch 0; its save comes before Keras ends the epoch.
+    model.fit(
+        _data(strategy),
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=10),
+            StopAfter(11),
+        ],
+    )
+    shutil.rmtree(tmp_path / "ckpt-0000000011")
+    os.remove(tmp_path / checkpointing.LATEST)
+    state = checkpointing.verify(tmp_path / "ckpt-0000000010")
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 0)
+    seen = []
+    again = _model(strategy, seen, seed=2)
+    again.fit(
+        _data(strategy),
+        epochs=2,
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+    )
+    assert sorted(seen) == list(range(ROWS))
+    helpers.assert_weights_close(again.get_weights(), reference.get_weights())
