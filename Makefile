@@ -40,6 +40,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/rebalance.py
+	$(BIN)/python benchmarks/straggler.py
+	$(BIN)/python benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

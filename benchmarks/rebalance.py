@@ -1,14 +1,22 @@
 """Uniform vs rebalanced shares on SIMULATED unequal devices.
 
-MirroredStrategy over logical CPUs; each replica is slowed by
-`kh.testing.SimulatedSpeed` (seconds per row; speed = 1 / that). For each case
-we train the same model with equal shares and with `ShardRebalancer`, and
-print samples/s (median step time over the second half of the run), % of the
-ideal (the sum of the replicas' simulated speeds, rows/s) and, for the
-slow-down case, the steps after the change until a 5-step median reaches 95%
-of the new ideal. All figures are simulated.
+Every replica is slowed by `kh.testing.SimulatedSpeed` (seconds per row;
+speed = 1 / that), under MirroredStrategy (logical CPUs of this process) and
+under MultiWorkerMirroredStrategy (one worker process per replica, TF_CONFIG
+on 127.0.0.1). For each case the same model trains with equal shares and with
+`ShardRebalancer`; we print samples/s (median step time over the last
+`--tail` steps), % of the ideal, and for the slow-down case the steps after the
+change until the 5-step median rate first reaches 95% of the new ideal, and
+95% of the rate the rebalanced run settles at (convergence, whatever the
+fixed per-step cost of the strategy).
 
-Run: `python benchmarks/rebalance.py` (about 3 minutes on 2 cores).
+The ideal is measured, not assumed: each replica's simulated device trains
+alone (one device, the whole global batch) and the ideal is the sum of those
+solo rows/s. The time scale is chosen so a perfectly balanced step takes
+`--step-ms` of simulated work; all figures are simulated.
+
+Run: `python benchmarks/rebalance.py` (about 10 minutes on 2 cores;
+`--strategies mirrored` for half of that).
 """
 
 import argparse
@@ -18,44 +26,22 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
 
-DEVICES = kh.testing.logical_cpus(4)
-BASE = 0.004  # simulated seconds per row of the slowest device
-GLOBAL_BATCH = 48
+GLOBAL_BATCH = 96
+ROLLING = 5  # steps in the rolling median of "steps to 95%"
 
 
-class SlowDown(keras.callbacks.Callback):
-    """Makes replica `replica` `factor` times slower after step `at`."""
+def train(strategy, seconds, steps, rebalance, slowdown):
+    """Step times (s) of one fit; `slowdown` = (step, replica, factor)."""
+    import tensorflow as tf
 
-    def __init__(self, layer, at, replica, factor):
-        super().__init__()
-        self.layer, self.at, self.replica, self.factor = (
-            layer,
-            at,
-            replica,
-            factor,
-        )
-        self.step = 0
+    from keras_hetero._compat import keras
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.step += 1
-        if self.step == self.at:
-            seconds = list(self.layer.seconds_per_row)
-            seconds[self.replica] *= self.factor
-            self.layer.seconds_per_row = seconds
-
-
-def run(speeds, steps, rebalance, slowdown=None):
-    replicas = len(speeds)
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:replicas])
-    seconds = [BASE / s for s in speeds]
     with strategy.scope():
         inputs = keras.Input((16,))
-        slow = kh.testing.SimulatedSpeed(seconds)
+        slow = kh.testing.SimulatedSpeed(list(seconds))
         hidden = keras.layers.Dense(32, activation="relu")(slow(inputs))
         model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
         model.compile(optimizer="sgd", loss="mse")
@@ -70,61 +56,134 @@ def run(speeds, steps, rebalance, slowdown=None):
             kh.callbacks.ShardRebalancer(data, every_n_steps=5, window=5)
         )
     if slowdown:
-        callbacks.append(SlowDown(slow, *slowdown))
+        callbacks.append(_SlowDown(slow, *slowdown))
     model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
-    return np.asarray(timer.seconds), seconds
+    return np.asarray(timer.seconds)
 
 
-def ideal(seconds):
-    return float(np.sum(1.0 / np.asarray(seconds)))
+def _SlowDown(layer, at, replica, factor):
+    from keras_hetero._compat import keras
+
+    class SlowDown(keras.callbacks.Callback):
+        """Makes replica `replica` `factor` times slower after step `at`."""
+
+        def on_train_begin(self, logs=None):
+            self.step = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.step += 1
+            if self.step == at:
+                seconds = list(layer.seconds_per_row)
+                seconds[replica] *= factor
+                layer.seconds_per_row = seconds
+
+    return SlowDown()
+
+
+def _mwms_worker(seconds, steps, rebalance, slowdown):
+    kh.testing.logical_cpus(1)
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    return train(strategy, seconds, steps, rebalance, slowdown)
+
+
+def run(kind, devices, seconds, steps, rebalance, slowdown):
+    if kind == "mirrored":
+        strategy = kh.testing.mirrored(devices[: len(seconds)])
+        return train(strategy, seconds, steps, rebalance, slowdown)
+    results = kh.testing.run_workers(
+        _mwms_worker,
+        len(seconds),
+        timeout=900,
+        args=(list(seconds), steps, rebalance, slowdown),
+    )
+    return results[0].value
+
+
+def solo_rate(devices, seconds_per_row, cache, steps=10):
+    """Rows/s of one simulated device training alone on the global batch."""
+    if seconds_per_row not in cache:
+        strategy = kh.testing.mirrored(devices[:1])
+        times = train(strategy, [seconds_per_row], steps, False, None)
+        cache[seconds_per_row] = GLOBAL_BATCH / float(np.median(times[2:]))
+    return cache[seconds_per_row]
+
+
+def steps_to_target(times, target):
+    """Steps until the rolling median rate first reaches `target` rows/s."""
+    for end in range(ROLLING, len(times) + 1):
+        rate = GLOBAL_BATCH / np.median(times[end - ROLLING : end])
+        if rate >= target:
+            return end
+    return None
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--tail", type=int, default=30)
+    parser.add_argument("--step-ms", type=float, default=150.0)
+    parser.add_argument(
+        "--strategies",
+        default="mirrored,mwms",
+        help="comma-separated: mirrored, mwms",
+    )
     args = parser.parse_args()
+    devices = kh.testing.logical_cpus(4)
+    step = args.step_ms / 1000.0
     print(
         f"rebalance benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, MirroredStrategy on logical CPUs, global batch "
-        f"{GLOBAL_BATCH}, SIMULATED speeds (slowest {BASE} s/row)"
+        f"{kh.FLAVOUR}, global batch {GLOBAL_BATCH}, SIMULATED speeds "
+        f"(balanced step = {args.step_ms:.0f} ms of simulated work), "
+        f"ShardRebalancer(every_n_steps=5, window=5), median of the last "
+        f"{args.tail} steps"
     )
     print()
     print(
-        "| speeds | uniform samples/s | uniform % ideal | rebalanced "
-        "samples/s | rebalanced % ideal | steps to 95% after change |"
+        "| strategy | speeds | ideal samples/s (measured solo sum) | "
+        "uniform samples/s | uniform % ideal | rebalanced samples/s | "
+        "rebalanced % ideal | rebalanced: steps after the change to 95% "
+        "of ideal / to 95% of its own steady rate |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    # (name, speeds before, slowdown (step, replica, factor) or None)
     cases = [
         ("1:2", [1, 2], None),
         ("1:4", [1, 4], None),
         ("1:1:2:4", [1, 1, 2, 4], None),
-        ("1:1 -> replica 1 2x slower at step 100", [1, 1], (100, 1, 2.0)),
+        ("1:1, replica 1 2x slower at step 100", [1, 1], (100, 1, 2.0)),
     ]
-    for name, speeds, slowdown in cases:
-        steps = 200 if slowdown else args.steps
-        row = [name]
-        for rebalance in (False, True):
-            times, seconds = run(speeds, steps, rebalance, slowdown)
+    solo = {}
+    for kind in args.strategies.split(","):
+        label = {"mirrored": "Mirrored", "mwms": "MWMS"}[kind]
+        for name, speeds, slowdown in cases:
+            after = np.asarray(speeds, np.float64)
+            steps = args.steps
             if slowdown:
-                at, replica, factor = slowdown
-                seconds[replica] *= factor
-                tail = times[at + (steps - at) // 2 :]
-            else:
-                tail = times[len(times) // 2 :]
-            rate = GLOBAL_BATCH / float(np.median(tail))
-            row += [f"{rate:.0f}", f"{100 * rate / ideal(seconds):.0f}%"]
-            if rebalance and slowdown:
-                target = 0.95 * ideal(seconds)
-                after = times[slowdown[0] :]
-                rolling = [
-                    GLOBAL_BATCH / np.median(after[i : i + 5])
-                    for i in range(len(after) - 4)
-                ]
-                hit = [i for i, r in enumerate(rolling) if r >= target]
-                row.append(str(hit[0] + 5) if hit else "not reached")
-        if not slowdown:
-            row.append("-")
-        print("| " + " | ".join(row) + " |")
+                after[slowdown[1]] /= slowdown[2]
+                steps = slowdown[0] + args.steps
+            # Slowest device's seconds per row, so that a balanced step
+            # (after any slow-down) takes `step` seconds.
+            unit = step * after.sum() / GLOBAL_BATCH
+            seconds = [unit / s for s in speeds]
+            ideal = sum(
+                solo_rate(devices, unit / s, solo) for s in after.tolist()
+            )
+            row = [label, name, f"{ideal:.0f}"]
+            reached = []
+            for rebalance in (False, True):
+                times = run(kind, devices, seconds, steps, rebalance, slowdown)
+                rate = GLOBAL_BATCH / float(np.median(times[-args.tail :]))
+                row += [f"{rate:.0f}", f"{100 * rate / ideal:.0f}%"]
+                if slowdown and rebalance:
+                    # Timer entry i is the step ending batch i + 2.
+                    after_change = times[slowdown[0] - 1 :]
+                    for target in (0.95 * ideal, 0.95 * rate):
+                        hit = steps_to_target(after_change, target)
+                        reached.append("never" if hit is None else str(hit))
+            row.append(" / ".join(reached) if slowdown else "-")
+            print("| " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":
