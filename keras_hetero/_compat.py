@@ -220,7 +220,7 @@ def set_initial_step(model, epoch, step, kwargs):
 
     tf-keras supports a first step natively (its multi-worker fault
     tolerance hook); Keras 3 only an initial epoch, so its data must end the
-    resumed epoch early (see `HeteroDataset.resume_at`).
+    resumed epoch early (see `HeteroDataset.resume_after`).
 
     Returns:
         A function that undoes the change after `fit`.

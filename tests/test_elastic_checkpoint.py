@@ -350,3 +350,52 @@ def test_save_after_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
     )
     assert sorted(seen) == list(range(ROWS))
     helpers.assert_weights_close(again.get_weights(), reference.get_weights())
+
+
+def test_resume_with_another_global_batch_scales_the_learning_rate(
+    tmp_path, caplog
+):
+    strategy = helpers.mirrored(DEVICES[:2])
+    seen = []
+    model = _model(strategy, seen, seed=1)
+    model.fit(
+        _data(strategy),
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            StopAfter(3),
+        ],
+    )
+    before = list(seen)
+    seen.clear()
+    model = _model(strategy, seen, seed=1)
+    bigger = kh.data.shard(helpers.id_examples(ROWS), 12, strategy=strategy)
+    with pytest.raises(ValueError, match="global batch size 8; the dataset"):
+        model.fit(
+            bigger,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+        )
+    steps = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(model.step_stats.rows.sum())
+
+    resumed = kh.callbacks.ElasticCheckpoint(
+        tmp_path, resize="scale_learning_rate"
+    )
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        model.fit(bigger, verbose=0, callbacks=[resumed, Steps()])
+    assert float(np.asarray(model.optimizer.learning_rate)) == pytest.approx(
+        0.05 * 12 / 8
+    )
+    assert "linear scaling rule" in caplog.text
+    # 56 examples were left: 4 batches of 12 and one of 8.
+    assert steps == [12, 12, 12, 12, 8]
+    assert sorted(before + seen) == list(range(ROWS))
+
+
+def test_bad_resize_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="resize='shrink'"):
+        kh.callbacks.ElasticCheckpoint(tmp_path, resize="shrink")

@@ -16,6 +16,8 @@ from keras_hetero._compat import keras
 
 logger = logging.getLogger("keras_hetero")
 
+RESIZE = ("keep_global_batch", "scale_learning_rate")
+
 
 class ElasticCheckpoint(keras.callbacks.Callback):
     """Saves training so a restarted job continues at the exact next step.
@@ -58,14 +60,21 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         mtbf: Mean time between failures for "auto" (seconds or duration).
             Defaults to `"1h"` (preemptible machines; raise it for reliable
             ones).
+        resize: What a restart with another global batch size does:
+            `"keep_global_batch"` refuses it (clear error; the worker count
+            may still change), `"scale_learning_rate"` continues the epoch
+            at its first untrained example and multiplies the learning rate
+            by new / old global batch (the linear scaling rule of Goyal et
+            al., 2017; not for learning-rate schedules). Defaults to
+            `"keep_global_batch"`.
         exit_on_signal: After a signal-triggered save, exit the process with
             `PREEMPTED_EXIT_CODE` when `fit` returns. Defaults to `True`.
         signals: Signals that trigger save-and-stop. Defaults to SIGTERM and
             SIGINT (a second SIGINT interrupts at once).
 
     Raises:
-        ValueError: For an unwritable `directory`, a bad `save_every` or
-            `mtbf`, or `keep` < 1.
+        ValueError: For an unwritable `directory`, a bad `save_every`,
+            `mtbf` or `resize`, or `keep` < 1.
 
     Example:
 
@@ -83,6 +92,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         async_save=True,
         *,
         mtbf="1h",
+        resize="keep_global_batch",
         exit_on_signal=True,
         signals=(signal.SIGTERM, signal.SIGINT),
     ):
@@ -94,6 +104,12 @@ class ElasticCheckpoint(keras.callbacks.Callback):
                 f"keep={keep!r}. Expected an integer >= 1."
             )
         self.mtbf = checkpointing.parse_duration(mtbf, "mtbf")
+        if resize not in RESIZE:
+            raise ValueError(
+                "Invalid value for argument `resize`. Received: "
+                f"resize={resize!r}. Expected one of {RESIZE}."
+            )
+        self.resize = resize
         self.directory = os.fspath(directory)
         self.keep = keep
         self.async_save = bool(async_save)
@@ -153,52 +169,93 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         for variable, array in zip(variables, arrays):
             variable.assign(array)
         dataset = self._dataset
-        if dataset.global_batch_size != state["global_batch_size"]:
-            raise ValueError(
-                f"Checkpoint {path} was written with global batch size "
-                f"{state['global_batch_size']}; the dataset has "
-                f"{dataset.global_batch_size}. Resume with the same global "
-                "batch size (examples per step), whatever the worker count."
-            )
-        epoch, step = state["epoch"], state["step_in_epoch"]
-        same_replicas = state["num_replicas"] == dataset.num_replicas
-        if same_replicas:
+        old_batch, new_batch = (
+            state["global_batch_size"],
+            (dataset.global_batch_size),
+        )
+        if new_batch != old_batch:
+            self._resize_batch(model, path, state, old_batch, new_batch)
+        epoch = state["epoch"]
+        done = state["examples_in_epoch"]
+        if state["num_replicas"] == dataset.num_replicas:
             dataset.shares = state["shares"]
             self._pending_states = state["callbacks"]
         else:
             logger.warning(
                 "ElasticCheckpoint: resuming a %d-replica checkpoint (%d "
-                "worker(s)) with %d replicas (%d worker(s)); global batches "
-                "continue exactly, shares and per-replica callback state "
+                "worker(s)) with %d replicas (%d worker(s)); the epoch "
+                "continues exactly, shares and per-replica callback state "
                 "start afresh.",
                 state["num_replicas"],
                 state["num_workers"],
                 dataset.num_replicas,
                 _distribute.num_workers(model.distribute_strategy),
             )
-        dataset.resume_at((0, step))
+        dataset.resume_after(done)
+        # The step the resumed epoch starts at, counted in the new global
+        # batches: the remaining examples take `remaining` steps.
+        per_epoch = kwargs.get("steps_per_epoch") or dataset.num_batches
+        if per_epoch:
+            examples = dataset.num_examples
+            remaining = (
+                -(-(examples - done) // new_batch)
+                if examples is not None
+                else per_epoch - done // new_batch
+            )
+            step = max(per_epoch - remaining, 0)
+        else:
+            step = -(-done // new_batch)
         self._epoch, self._step_in_epoch = epoch, step
+        self._examples_in_epoch = done
         self._global_step = state["global_step"]
-        self._resume_step = step
         self.restored_from = path
         logger.warning(
             "ElasticCheckpoint: restored %s in %.2fs; continuing at epoch "
-            "%d, step %d (global step %d).",
+            "%d after %d of its examples (step %d; global step %d).",
             path,
             time.perf_counter() - started,
             epoch,
+            done,
             step,
             self._global_step,
         )
         return _compat.set_initial_step(model, epoch, step, kwargs)
+
+    def _resize_batch(self, model, path, state, old_batch, new_batch):
+        if self.resize != "scale_learning_rate":
+            raise ValueError(
+                f"Checkpoint {path} was written with global batch size "
+                f"{old_batch}; the dataset has {new_batch}. Resume with the "
+                "same global batch size (any worker count), or pass "
+                'ElasticCheckpoint(resize="scale_learning_rate") to scale '
+                "the learning rate with the batch."
+            )
+        rate = state.get("learning_rate")
+        if rate is None:
+            raise ValueError(
+                f"Checkpoint {path}: cannot scale the learning rate for the "
+                f"new global batch size {new_batch} (was {old_batch}): the "
+                "optimizer uses a learning-rate schedule. Scale the schedule "
+                "yourself and keep the global batch size."
+            )
+        scaled = rate * new_batch / old_batch
+        model.optimizer.learning_rate = scaled
+        logger.warning(
+            "ElasticCheckpoint: global batch %d -> %d; learning rate %g -> "
+            "%g (linear scaling rule).",
+            old_batch,
+            new_batch,
+            rate,
+            scaled,
+        )
 
     # --- lifecycle ----------------------------------------------------------
 
     def _reset_counters(self):
         self._epoch = 0
         self._step_in_epoch = 0
+        self._examples_in_epoch = 0
         self._global_step = 0
-        self._resume_step = 0
         self._since_save = 0
         self._last_save_time = None
         self._cost = None
@@ -224,6 +281,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._epoch:
             self._epoch, self._step_in_epoch = epoch, 0
+            self._examples_in_epoch = 0
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._pending_states is not None:
@@ -238,6 +296,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self._raise_writer_error()
         self._global_step += 1
         self._step_in_epoch += 1
+        self._examples_in_epoch += self._dataset.global_batch_size
         self._since_save += 1
         if self._stop_requested:
             self.preempted = True
@@ -257,6 +316,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             complete = not self.model.stop_training
         if complete:
             self._epoch, self._step_in_epoch = epoch + 1, 0
+            self._examples_in_epoch = 0
 
     def on_train_end(self, logs=None):
         self._restore_signal_handlers()
@@ -311,20 +371,26 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         )
 
     def _position(self):
-        """`(epoch, step)` of the next step to train; an epoch whose last
-        step ran is complete even before Keras calls `on_epoch_end`."""
+        """`(epoch, step, examples)` of the next step to train; an epoch
+        whose last step ran is complete even before Keras calls
+        `on_epoch_end`."""
         steps = (self.params or {}).get("steps")
-        if steps and self._step_in_epoch >= steps:
-            return self._epoch + 1, 0
-        return self._epoch, self._step_in_epoch
+        examples = self._dataset.num_examples
+        if (steps and self._step_in_epoch >= steps) or (
+            examples is not None and self._examples_in_epoch >= examples
+        ):
+            return self._epoch + 1, 0, 0
+        return self._epoch, self._step_in_epoch, self._examples_in_epoch
 
     def _state(self, names, variables):
         dataset = self._dataset
-        epoch, step_in_epoch = self._position()
+        epoch, step_in_epoch, examples = self._position()
         return {
             "global_step": self._global_step,
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
+            "examples_in_epoch": examples,
+            "learning_rate": _learning_rate(self.model.optimizer),
             "global_batch_size": dataset.global_batch_size,
             "num_replicas": dataset.num_replicas,
             "num_workers": _distribute.num_workers(
@@ -439,7 +505,22 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             "global_step": self._global_step,
             "epoch": self._epoch,
             "step_in_epoch": self._step_in_epoch,
+            "examples_in_epoch": self._examples_in_epoch,
         }
+
+
+def _learning_rate(optimizer):
+    """The optimizer's learning rate as a float, or None for a schedule."""
+    schedule = keras.optimizers.schedules.LearningRateSchedule
+    if optimizer is None or isinstance(
+        getattr(optimizer, "_learning_rate", None), schedule
+    ):
+        return None
+    rate = optimizer.learning_rate
+    try:
+        return float(rate.numpy() if hasattr(rate, "numpy") else rate)
+    except (TypeError, ValueError):
+        return None
 
 
 def _ema(old, new, weight=0.3):

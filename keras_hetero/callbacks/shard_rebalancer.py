@@ -168,8 +168,7 @@ class ShardRebalancer(keras.callbacks.Callback):
         # after this one is index `_pass_steps` of pass `_pass`.
         current = self.dataset.passes_started - 1
         if current != self._pass:
-            first = self.dataset._schedule.first_index(current)
-            self._pass, self._pass_steps = current, first
+            self._pass, self._pass_steps = current, 0
         self._pass_steps += steps
 
     def on_epoch_end(self, epoch, logs=None):

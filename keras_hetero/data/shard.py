@@ -83,18 +83,30 @@ class HeteroDataset:
         """Passes over the data the input pipeline has started."""
         return self._schedule.passes_started
 
-    def resume_at(self, position):
-        """Continues from global batch `position = (pass, index)`.
+    def resume_after(self, examples):
+        """Starts the next pass after its first `examples` examples.
 
-        The next pass the pipeline starts is numbered `pass` and its batches
-        before `index` are skipped (they were trained before a restart), so
-        the interrupted epoch sees every example exactly once. Used by
-        `kh.callbacks.ElasticCheckpoint`; call before `fit`.
+        They were trained before a restart: the interrupted epoch then sees
+        each of its examples exactly once. Global batches are cut from the
+        first example not skipped. Used by `kh.callbacks.ElasticCheckpoint`;
+        call before `fit`.
 
         Args:
-            position: `(pass, index)` of the first global batch to train.
+            examples: How many examples of the pass to skip, >= 0.
+
+        Raises:
+            ValueError: If `examples` is negative or not an integer.
         """
-        self._schedule.resume_at(position)
+        if (
+            isinstance(examples, bool)
+            or not isinstance(examples, (int, np.integer))
+            or examples < 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `examples`. Received: "
+                f"examples={examples!r}. Expected an integer >= 0."
+            )
+        self._schedule.skip_examples(int(examples))
 
     def shares_for_batch(self, batch):
         """The shares that split global batch `batch = (pass, index)`."""
@@ -108,10 +120,16 @@ class HeteroDataset:
         )
 
     @property
+    def num_examples(self):
+        """Examples per epoch, or None if unknown to tf.data."""
+        examples = int(self._examples.cardinality())
+        return None if examples < 0 else examples
+
+    @property
     def num_batches(self):
         """Global batches per epoch, or None if the example count is unknown."""
-        examples = int(self._examples.cardinality())
-        if examples < 0:
+        examples = self.num_examples
+        if examples is None:
             return None
         return -(-examples // self.global_batch_size)
 
@@ -141,19 +159,31 @@ class HeteroDataset:
     def _pipeline(self, input_context, repeat):
         local_replicas = self.num_replicas // input_context.num_input_pipelines
         first_replica = input_context.input_pipeline_id * local_replicas
-        batches = self._examples.batch(self.global_batch_size)
+
+        def examples_of_pass(_):
+            # Evaluated when a pass starts: the examples trained before a
+            # restart (see `resume_after`) are skipped, before any split or
+            # per-example map.
+            skip = tf.numpy_function(
+                self._schedule.take_example_skip, [], tf.int64
+            )
+            skip.set_shape([])
+            return self._examples.skip(skip)
+
+        batches = (
+            tf.data.Dataset.range(1)
+            .flat_map(examples_of_pass)
+            .batch(self.global_batch_size)
+        )
         if repeat:
             batches = batches.repeat()
 
-        def bounds_of(index, batch):
+        def split(index, batch):
             total_rows = tf.shape(tf.nest.flatten(batch)[0])[0]
             bounds = tf.numpy_function(
                 self._schedule.next_bounds, [index, total_rows], tf.int64
             )
             bounds.set_shape([self.num_replicas + 1])
-            return bounds, batch
-
-        def split(bounds, batch):
             slices = []
             for replica in range(first_replica, first_replica + local_replicas):
                 start, end = bounds[replica], bounds[replica + 1]
@@ -172,17 +202,10 @@ class HeteroDataset:
                 dataset = dataset.concatenate(more)
             return dataset
 
-        split_batches = (
-            batches.enumerate()
-            .map(
-                lambda index, *batch: bounds_of(
-                    index, batch[0] if len(batch) == 1 else batch
-                )
+        split_batches = batches.enumerate().map(
+            lambda index, *batch: split(
+                index, batch[0] if len(batch) == 1 else batch
             )
-            # Batches trained before a restart (see `resume_at`) are skipped
-            # before the split and before any per-example map.
-            .filter(lambda bounds, batch: bounds[0] >= 0)
-            .map(split)
         )
         if local_replicas == 1:
             dataset = split_batches.map(lambda part: part)

@@ -113,8 +113,7 @@ class ShareSchedule:
         self._changes = [((-1, 0), np.asarray(shares, dtype=np.float64))]
         self._pass = -1
         self._next_index = 0
-        self._skip_before = None
-        self._resumed = None
+        self._skip_examples = 0
 
     @property
     def position(self):
@@ -166,40 +165,28 @@ class ShareSchedule:
             self._changes.append((start, np.asarray(shares, np.float64)))
             return start
 
-    def resume_at(self, position):
-        """Makes the next pass number `position[0]` and skip its batches
-        before index `position[1]` (already trained before a restart)."""
+    def skip_examples(self, count):
+        """Makes the next pass start after its first `count` examples."""
         with self._lock:
-            self._pass = int(position[0]) - 1
-            self._next_index = 0
-            self._skip_before = (int(position[0]), int(position[1]))
-            self._resumed = self._skip_before
+            self._skip_examples = int(count)
 
-    def first_index(self, pass_number):
-        """Index of the first batch pass `pass_number` trains (0 unless it
-        is a resumed pass)."""
+    def take_example_skip(self):
+        """Examples the pass that starts now skips (once; then 0)."""
         with self._lock:
-            if self._resumed is not None and self._resumed[0] == pass_number:
-                return self._resumed[1]
-            return 0
+            count, self._skip_examples = self._skip_examples, 0
+            return np.int64(count)
 
     def next_bounds(self, index, total_rows):
         """Row boundaries of global batch `index` of the current pass.
 
         Index 0 starts a new pass. Replica `i` takes rows
         `[bounds[i], bounds[i + 1])`; there is one more bound than replicas.
-        A batch to skip (see `resume_at`) gets bounds of -1.
         """
         with self._lock:
             if int(index) == 0:
                 self._pass += 1
             self._next_index = int(index) + 1
-            key = (self._pass, int(index))
-            if self._skip_before is not None:
-                if key < self._skip_before:
-                    return np.full(len(self._changes[0][1]) + 1, -1, np.int64)
-                self._skip_before = None
-            shares = self._shares_at(key)
+            shares = self._shares_at((self._pass, int(index)))
         rows = rows_from_shares(shares, int(total_rows))
         return np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
 
