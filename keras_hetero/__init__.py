@@ -11,6 +11,7 @@ from keras_hetero import launcher
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
 from keras_hetero.model import HeteroModel
+from keras_hetero.precision import set_precision
 from keras_hetero.telemetry import StepStats
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "HeteroModel",
     "StepStats",
     "callbacks",
+    "set_precision",
     "checkpointing",
     "data",
     "launcher",

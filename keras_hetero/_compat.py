@@ -190,6 +190,9 @@ def checkpoint_variables(model):
     if optimizer is not None:
         extra = optimizer.variables
         variables += list(extra() if callable(extra) else extra)
+    scale = getattr(getattr(model, "_hetero", None), "loss_scale", None)
+    if scale is not None:
+        variables += scale.variables
     unique, seen = [], set()
     for variable in variables:
         if id(variable) not in seen:

@@ -22,6 +22,8 @@ import tensorflow as tf
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import aggregation
+from keras_hetero import loss_scale as loss_scale_lib
+from keras_hetero import precision as precision_lib
 from keras_hetero import telemetry
 from keras_hetero._compat import keras
 from keras_hetero.data.shard import HeteroDataset
@@ -48,9 +50,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     Args:
         *args: What `keras.Model` takes (e.g. `inputs, outputs`).
-        precision: `None` or `"float32"`. (`"mixed_float16"`,
-            `"mixed_bfloat16"` and `"auto"` are reserved and raise
-            `NotImplementedError` for now.) Defaults to `None`.
+        precision: `None`, `"float32"`, `"mixed_float16"`,
+            `"mixed_bfloat16"` or `"auto"` (see `kh.set_precision`, which
+            sets the matching Keras policy; build the model after it). A
+            named mixed policy is checked against the layers at `compile`.
+            Whenever a layer computes in float16 the loss is scaled
+            dynamically, and a step whose AGGREGATED gradient is not finite
+            (an overflow on any replica or worker) is skipped everywhere,
+            weights and optimizer state untouched. Defaults to `None`
+            (follow the layers).
         gradient_compression: `None`, `"fp16"` or `"bf16"`: the gradients'
             dtype on the wire during the all-reduce only. Defaults to `None`.
         accumulation_steps: Must be 1 for now. Defaults to `1`.
@@ -190,8 +198,18 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             mean_loss = _compat.unscaled_mean_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
-            loss_sum = mean_loss * tf.cast(rows, mean_loss.dtype)
-        grads = tape.gradient(loss_sum, variables)
+            mean_loss = tf.cast(mean_loss, tf.float32)
+            row_count = tf.cast(rows, tf.float32)
+            scale = hetero.loss_scale
+            if scale is None:
+                target = mean_loss * row_count
+            else:
+                # Scale the mean as Keras does, so float16 activations'
+                # gradients do not grow with the replica's rows.
+                target = mean_loss * scale.scale
+        grads = tape.gradient(target, variables)
+        if scale is not None:
+            grads = [_times(g, row_count) for g in grads]
         with tf.control_dependencies(_dependencies(grads)):
             seconds = telemetry.clock(rows) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -203,16 +221,25 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             options=hetero.communication,
         )
         global_rows = tf.reduce_sum(stats[:num_replicas])
-        grads = aggregation.divide(grads, global_rows)
+        divisor = global_rows if scale is None else global_rows * scale.scale
+        grads = aggregation.divide(grads, divisor)
         grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
+
         # Nothing in the optimizer's update may run before this step's data
         # exists: its `iterations` increment reads no data, and in a
         # tf.function ops on different resources are not ordered. When the
         # input ends (an epoch of unknown length, a resumed epoch), the
         # failing get_next must not leave a phantom step behind (the
         # control dependency reaches the merge_call, see mirrored_run).
-        with tf.control_dependencies([global_rows]):
+        def apply(grads):
             _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
+
+        with tf.control_dependencies([global_rows]):
+            if scale is None:
+                apply(grads)
+            else:
+                # Skipped everywhere if any replica's gradient overflowed.
+                scale.apply_if_finite(apply, grads)
         if hetero.telemetry is not None:
             hetero.telemetry.record(stats)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
@@ -268,12 +295,34 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def compile(self, *args, **kwargs):
         self._check_strategy("compile")
         super().compile(*args, **kwargs)
-        _compat.skip_optimizer_all_reduce(self.optimizer)
         if _compat.is_loss_scale_optimizer(self.optimizer):
-            raise NotImplementedError(
-                "A LossScaleOptimizer " + _PLANNED + " (stock Keras decides "
-                "'finite' from replica 0 only). Use a plain optimizer."
-            )
+            # Keras wraps the optimizer itself under a mixed_float16 policy.
+            # Its LossScaleOptimizer decides "finite" from replica 0's
+            # gradients before the all-reduce; HeteroModel scales the loss
+            # and checks the aggregated gradients (see `loss_scale`).
+            self.optimizer = self.optimizer.inner_optimizer
+        _compat.skip_optimizer_all_reduce(self.optimizer)
+        hetero = self._hetero
+        policy = precision_lib.resolve(
+            hetero.precision, self.distribute_strategy
+        )
+        needs_scaling = precision_lib.check_model(self, policy)
+        hetero.loss_scale = None
+        if needs_scaling:
+            with self.distribute_strategy.scope():
+                hetero.loss_scale = loss_scale_lib.DynamicLossScale()
+
+    @property
+    def loss_scale(self):
+        """The current dynamic loss scale (float), or None without float16.
+
+        Set at `compile` when any layer computes in float16: the loss is
+        multiplied by it, and a step whose aggregated gradient is not finite
+        on any replica is skipped everywhere and halves it.
+        """
+        scale = self.__dict__.get("_hetero")
+        scale = None if scale is None else scale.loss_scale
+        return None if scale is None else float(scale.scale.numpy())
 
     def fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
@@ -451,6 +500,7 @@ class _HeteroState:
         for name, value in settings.items():
             setattr(self, name, value)
         self.telemetry = None
+        self.loss_scale = None
 
     def config(self):
         return {name: self.settings[name] for name in self.SERIALISED}
@@ -469,8 +519,6 @@ def _check_options(
             f"Invalid value for argument `precision`. Received: "
             f"precision={precision!r}. Expected one of {PRECISIONS}."
         )
-    if precision not in (None, "float32"):
-        raise NotImplementedError(f"precision={precision!r} {_PLANNED}.")
     if gradient_compression not in (None, *aggregation.WIRE_DTYPES):
         raise ValueError(
             "Invalid value for argument `gradient_compression`. Received: "
@@ -506,6 +554,16 @@ def _check_options(
             f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
             "or None."
         )
+
+
+def _times(grad, factor):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            grad.values * factor, grad.indices, grad.dense_shape
+        )
+    return grad * factor
 
 
 def _elastic_checkpoints(callbacks):

@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_hetero as kh
+from keras_hetero import _distribute
 from keras_hetero._compat import keras
 
 FEATURES = 5
@@ -121,3 +122,81 @@ def id_model(seen, seconds_per_row):
 def id_examples(rows):
     x, y, _, ids = arrays(rows)
     return tf.data.Dataset.from_tensor_slices(({"x": x, "id": ids}, y))
+
+
+class PoisonGradient(keras.layers.Layer):
+    """Identity whose gradient becomes inf on replica `replica` while
+    `armed[0]` is true (test only)."""
+
+    def __init__(self, replica, armed, **kwargs):
+        super().__init__(**kwargs)
+        object.__setattr__(self, "armed", armed)
+        self.replica = replica
+
+    def call(self, x):
+        replica = _distribute.replica_id()
+
+        def factor(_):
+            poisoned = self.armed[0] and replica == self.replica
+            return np.float32(np.inf if poisoned else 1.0)
+
+        scale = tf.numpy_function(factor, [tf.constant(0)], tf.float32)
+        scale.set_shape([])
+
+        @tf.custom_gradient
+        def identity(t):
+            def grad(dy):
+                return dy * tf.cast(scale, dy.dtype)
+
+            return tf.identity(t), grad
+
+        return identity(x)
+
+
+def poisoned_model(armed):
+    """A float16 HeteroModel whose replica 1 gets an inf gradient while
+    `armed[0]`; build in the strategy scope under mixed_float16."""
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    hidden = PoisonGradient(1, armed)(hidden)
+    outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+    model = kh.HeteroModel(inputs, outputs, precision="mixed_float16")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse"
+    )
+    return model
+
+
+def replica_state(strategy, model):
+    """Every local replica's copy of every weight and optimizer variable."""
+    _, variables = kh._compat.checkpoint_variables(model)
+    scale = model._hetero.loss_scale.variables
+    variables = [v for v in variables if not any(v is s for s in scale)]
+    return [
+        np.array(v.numpy())
+        for variable in variables
+        for v in strategy.experimental_local_results(variable)
+    ]
+
+
+class Arm(keras.callbacks.Callback):
+    """Arms the poison for step `at`; records state around it in `probe`."""
+
+    def __init__(self, armed, at, probe):
+        super().__init__()
+        self.armed, self.at, self.probe = armed, at, probe
+        self.step = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.step += 1
+        self.armed[0] = self.step == self.at
+        if self.step == self.at:
+            self.probe["before"] = self.probe["snapshot"]()
+            self.probe["scale_before"] = self.model.loss_scale
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.step == self.at:
+            self.probe["after"] = self.probe["snapshot"]()
+            self.probe["scale_after"] = self.model.loss_scale
+        if self.step == self.at + 1:
+            self.probe["next"] = self.probe["snapshot"]()

@@ -230,7 +230,7 @@ def test_dataset_for_another_strategy_is_an_error():
         ({"pipeline_microbatches": -1}, ValueError, "pipeline_microbatches"),
         ({"global_clipnorm": 0.0}, ValueError, "global_clipnorm=0.0"),
         ({"communication": "ring"}, TypeError, "CommunicationOptions"),
-        ({"precision": "mixed_float16"}, NotImplementedError, "not available"),
+        ({"pipeline_microbatches": 2}, NotImplementedError, "not available"),
         ({"accumulation_steps": 4}, NotImplementedError, "not available"),
     ],
 )

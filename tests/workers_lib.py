@@ -193,3 +193,36 @@ def hang_mwms():
         "hangs": detector.hangs,
         "steps": int(model.optimizer.iterations.numpy()),
     }
+
+
+def poisoned_mwms():
+    """Worker 1's replica gets an inf gradient at step 3 (float16)."""
+    import helpers
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    armed = [False]
+    with strategy.scope():
+        model = helpers.poisoned_model(armed)
+    probe = {"snapshot": lambda: helpers.replica_state(strategy, model)}
+    data = kh.data.shard(helpers.examples(), 16, strategy=strategy)
+    model.fit(data, verbose=0, callbacks=[helpers.Arm(armed, 3, probe)])
+    return {
+        "unchanged": all(
+            np.array_equal(a, b)
+            for a, b in zip(probe["before"], probe["after"])
+        ),
+        "moved_next": any(
+            not np.array_equal(a, b)
+            for a, b in zip(probe["after"], probe["next"])
+        ),
+        "finite": all(np.all(np.isfinite(v)) for v in probe["next"]),
+        "scales": (probe["scale_before"], probe["scale_after"]),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "skipped": int(model._hetero.loss_scale.skipped.numpy()),
+    }
