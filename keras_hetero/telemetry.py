@@ -114,14 +114,24 @@ class Telemetry:
         """Marks the end of one train-function call (no host sync)."""
         self._previous = self._current
         self._current = tf.identity(self.totals.read_value())
+        self._stats = None
 
     def reset(self):
         """Starts a new series; the next `snapshot` has nothing before it."""
         self._current = tf.identity(self.totals.read_value())
         self._previous = None
+        self._stats = None
 
     def step_stats(self):
-        """`StepStats` of the last call, or None before the first one."""
+        """`StepStats` of the last call, or None before the first one.
+
+        Computed once per call (several callbacks read it every step).
+        """
+        if getattr(self, "_stats", None) is None:
+            self._stats = self._step_stats()
+        return self._stats
+
+    def _step_stats(self):
         if self._previous is None or self._current is None:
             return None
         current = self._current.numpy()
