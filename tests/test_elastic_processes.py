@@ -265,3 +265,41 @@ def test_command_line_entry_point(tmp_path):
 def test_launcher_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         launcher.launch([sys.executable, "-c", "pass"], **kwargs)
+
+
+def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    launcher_process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "keras_hetero.run",
+            "--workers",
+            "2",
+            "--grace-seconds",
+            "5",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids = []
+    for line in launcher_process.stdout:
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+        if len(pids) == 2:
+            break
+    launcher_process.send_signal(signal.SIGINT)
+    rest = launcher_process.communicate(timeout=60)[0]
+    assert launcher_process.returncode == 130, rest
+    assert "got SIGINT; stopping workers" in rest
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
