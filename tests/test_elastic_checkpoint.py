@@ -56,6 +56,36 @@ def _data(strategy, shares=None):
     )
 
 
+def _interrupted_run(strategy, directory, steps, shares=None):
+    """Trains until `steps`, saving every step; returns the ids it used."""
+    seen = []
+    model = _model(strategy, seen, seed=1)
+    model.fit(
+        _data(strategy, shares),
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(directory, save_every=1),
+            StopAfter(steps),
+        ],
+    )
+    return seen
+
+
+def _resumed_run(strategy, directory, epochs):
+    """A fresh model (other initial weights) fit with a checkpoint in
+    `directory`; returns the model and the ids it trained on."""
+    seen = []
+    model = _model(strategy, seen, seed=2)
+    model.fit(
+        _data(strategy),
+        epochs=epochs,
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(directory)],
+    )
+    return model, seen
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_mid_epoch_resume_continues_exactly(tmp_path, async_save):
     strategy = helpers.mirrored(DEVICES[:2])
@@ -109,19 +139,8 @@ def second_shares(callback):
 
 def test_resume_with_fewer_replicas_is_exactly_once(tmp_path):
     two = helpers.mirrored(DEVICES[:2])
+    before = _interrupted_run(two, tmp_path, 6, shares=[0.25, 0.75])
     seen = []
-    model = _model(two, seen, seed=1)
-    model.fit(
-        _data(two, [0.25, 0.75]),
-        epochs=1,
-        verbose=0,
-        callbacks=[
-            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
-            StopAfter(6),
-        ],
-    )
-    before = list(seen)
-    seen.clear()
     one = helpers.mirrored(DEVICES[:1])
     model = _model(one, seen, seed=5)
     resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1)
@@ -205,14 +224,7 @@ def test_finished_job_restarts_as_a_no_op(tmp_path):
         callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
     )
     weights = model.get_weights()
-    seen = []
-    again = _model(strategy, seen, seed=2)
-    again.fit(
-        _data(strategy),
-        epochs=1,
-        verbose=0,
-        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
-    )
+    again, seen = _resumed_run(strategy, tmp_path, epochs=1)
     assert seen == []
     helpers.assert_weights_close(again.get_weights(), weights)
 
@@ -292,12 +304,7 @@ def test_plain_dataset_is_rejected(tmp_path):
 
 def test_different_model_is_a_clear_error(tmp_path):
     strategy = helpers.mirrored(DEVICES[:2])
-    model = _model(strategy, [], seed=1)
-    model.fit(
-        _data(strategy),
-        verbose=0,
-        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), StopAfter(2)],
-    )
+    _interrupted_run(strategy, tmp_path, 2)
     with strategy.scope():
         other = helpers.hetero_model()
     data = kh.data.shard(helpers.examples(), BATCH, strategy=strategy)
@@ -340,14 +347,7 @@ def test_save_after_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
     os.remove(tmp_path / checkpointing.LATEST)
     state = checkpointing.verify(tmp_path / "ckpt-0000000010")
     assert (state["epoch"], state["step_in_epoch"]) == (1, 0)
-    seen = []
-    again = _model(strategy, seen, seed=2)
-    again.fit(
-        _data(strategy),
-        epochs=2,
-        verbose=0,
-        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
-    )
+    again, seen = _resumed_run(strategy, tmp_path, epochs=2)
     assert sorted(seen) == list(range(ROWS))
     helpers.assert_weights_close(again.get_weights(), reference.get_weights())
 
@@ -356,18 +356,8 @@ def test_resume_with_another_global_batch_scales_the_learning_rate(
     tmp_path, caplog
 ):
     strategy = helpers.mirrored(DEVICES[:2])
+    before = _interrupted_run(strategy, tmp_path, 3)
     seen = []
-    model = _model(strategy, seen, seed=1)
-    model.fit(
-        _data(strategy),
-        verbose=0,
-        callbacks=[
-            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
-            StopAfter(3),
-        ],
-    )
-    before = list(seen)
-    seen.clear()
     model = _model(strategy, seen, seed=1)
     bigger = kh.data.shard(helpers.id_examples(ROWS), 12, strategy=strategy)
     with pytest.raises(ValueError, match="global batch size 8; the dataset"):
