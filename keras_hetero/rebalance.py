@@ -27,11 +27,13 @@ class SpeedWindow:
     def add(self, rows, compute_seconds):
         """A new window with one step's (or execution's) telemetry added."""
         rows = np.asarray(rows, np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            reading = np.where(
-                rows > 0, np.asarray(compute_seconds, np.float64) / rows, np.nan
-            )
-        return SpeedWindow(np.vstack([self.readings[1:], reading]))
+        # Dividing by NaN (no rows) gives NaN without a warning.
+        reading = np.asarray(compute_seconds, np.float64) / np.where(
+            rows > 0, rows, np.nan
+        )
+        return SpeedWindow(
+            np.concatenate([self.readings[1:], reading[np.newaxis]])
+        )
 
     def seconds_per_row(self):
         """Median reading per replica (NaN if none): robust to outliers."""

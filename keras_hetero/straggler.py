@@ -101,8 +101,13 @@ class ScoreState:
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
     window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
-    return dataclasses.replace(
-        state, readings=window.readings, seen=state.seen + 1
+    return ScoreState(
+        window.readings,
+        state.seen + 1,
+        state.baseline,
+        state.below,
+        state.above,
+        state.flagged,
     )
 
 
