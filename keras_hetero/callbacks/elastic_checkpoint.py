@@ -169,10 +169,8 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         for variable, array in zip(variables, arrays):
             variable.assign(array)
         dataset = self._dataset
-        old_batch, new_batch = (
-            state["global_batch_size"],
-            (dataset.global_batch_size),
-        )
+        old_batch = state["global_batch_size"]
+        new_batch = dataset.global_batch_size
         if new_batch != old_batch:
             self._resize_batch(model, path, state, old_batch, new_batch)
         epoch = state["epoch"]
@@ -308,13 +306,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras also ends an epoch that `stop_training` cut short; only a
-        # complete one moves the position to the next epoch.
-        steps = (self.params or {}).get("steps")
-        if steps:
-            complete = self._step_in_epoch >= steps
-        else:
-            complete = not self.model.stop_training
-        if complete:
+        # complete one moves the position to the next epoch. Of unknown
+        # length, an epoch Keras ends by itself ran out of data: complete.
+        if self._epoch_complete(ended=not self.model.stop_training):
             self._epoch, self._step_in_epoch = epoch + 1, 0
             self._examples_in_epoch = 0
 
@@ -370,15 +364,22 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             minimum=1.5 * (self._write_seconds or 0.0),
         )
 
+    def _epoch_complete(self, ended=False):
+        """Whether the current epoch's last step ran. `ended`: Keras ended
+        the epoch on its own (decides only when the length is unknown)."""
+        steps = (self.params or {}).get("steps")
+        examples = self._dataset.num_examples
+        if steps or examples is not None:
+            return bool(steps and self._step_in_epoch >= steps) or (
+                examples is not None and self._examples_in_epoch >= examples
+            )
+        return ended
+
     def _position(self):
         """`(epoch, step, examples)` of the next step to train; an epoch
         whose last step ran is complete even before Keras calls
         `on_epoch_end`."""
-        steps = (self.params or {}).get("steps")
-        examples = self._dataset.num_examples
-        if (steps and self._step_in_epoch >= steps) or (
-            examples is not None and self._examples_in_epoch >= examples
-        ):
+        if self._epoch_complete():
             return self._epoch + 1, 0, 0
         return self._epoch, self._step_in_epoch, self._examples_in_epoch
 
