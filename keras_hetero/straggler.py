@@ -119,11 +119,12 @@ def current_costs(state):
 def scores(state, cost=None):
     """`(relative, individual)` score arrays; NaN where a replica has none."""
     cost = current_costs(state) if cost is None else cost
+    # NaN costs (no reading) stay NaN; fmin skips them when finding the best.
+    best = np.fmin.reduce(cost)
+    if cost.all():  # no zero cost (NaN counts as true): nothing to silence
+        return best / cost, state.baseline / cost
     with np.errstate(divide="ignore", invalid="ignore"):
-        best = np.nanmin(cost) if np.any(~np.isnan(cost)) else np.nan
-        relative = best / cost
-        individual = state.baseline / cost
-    return relative, individual
+        return best / cost, state.baseline / cost
 
 
 def evaluate(state, *, threshold, patience):
@@ -146,32 +147,28 @@ def evaluate(state, *, threshold, patience):
     # The baseline is the lowest median seen, relaxed upward a little each
     # evaluation: over a long run the noise's luckiest window would
     # otherwise become the yardstick and flag ordinary jitter.
-    relaxed = state.baseline * (1.0 + BASELINE_RELAX)
-    baseline = np.where(np.isnan(state.baseline), cost, np.fmin(relaxed, cost))
+    # (fmin skips NaN: a replica's first median becomes its baseline.)
+    baseline = np.fmin(state.baseline * (1.0 + BASELINE_RELAX), cost)
     # NaN (no reading) compares False: not low.
     low = (relative < threshold) | (individual < threshold)
     below = np.where(low, state.below + 1, 0)
     above = np.where(low, 0, state.above + 1)
-    flagged = state.flagged.copy()
+    flagged = state.flagged
+    starts = ~flagged & (below >= patience)
+    ends = flagged & (above >= patience)
     changes = []
-    for replica in range(len(flagged)):
-        if not flagged[replica] and below[replica] >= patience:
-            flagged[replica] = True
-            kind = "straggler"
-        elif flagged[replica] and above[replica] >= patience:
-            flagged[replica] = False
-            kind = "recovered"
-        else:
-            continue
-        changes.append(
-            (
-                replica,
-                kind,
-                float(relative[replica]),
-                float(individual[replica]),
+    if starts.any() or ends.any():
+        flagged = (flagged | starts) & ~ends
+        for replica in np.flatnonzero(starts | ends):
+            changes.append(
+                (
+                    int(replica),
+                    "straggler" if starts[replica] else "recovered",
+                    float(relative[replica]),
+                    float(individual[replica]),
+                )
             )
-        )
-    new_state = dataclasses.replace(
-        state, baseline=baseline, below=below, above=above, flagged=flagged
+    new_state = ScoreState(
+        state.readings, state.seen, baseline, below, above, flagged
     )
     return new_state, changes

@@ -111,14 +111,19 @@ class Telemetry:
         )
 
     def snapshot(self):
-        """Marks the end of one train-function call (no host sync)."""
+        """Marks the end of one train-function call (no host sync).
+
+        Reads one local copy (all hold the same sums): a read of the
+        distributed variable costs another eager op per step. The read
+        tensor is a snapshot, as resource variables copy on write.
+        """
         self._previous = self._current
-        self._current = tf.identity(self.totals.read_value())
+        self._current = _first_copy(self.totals).read_value()
         self._stats = None
 
     def reset(self):
         """Starts a new series; the next `snapshot` has nothing before it."""
-        self._current = tf.identity(self.totals.read_value())
+        self._current = _first_copy(self.totals).read_value()
         self._previous = None
         self._stats = None
 
@@ -134,8 +139,10 @@ class Telemetry:
     def _step_stats(self):
         if self._previous is None or self._current is None:
             return None
-        current = self._current.numpy()
-        delta = current - self._previous.numpy()
+        # Keep the host copies: the next call's "previous" is this "current".
+        self._current = current = _host(self._current)
+        self._previous = previous = _host(self._previous)
+        delta = current - previous
         replicas = self.num_replicas
         return StepStats(
             step=int(current[0]),
@@ -144,3 +151,13 @@ class Telemetry:
             compute_seconds=delta[1 + replicas :],
             devices=list(self.devices),
         )
+
+
+def _first_copy(variable):
+    """The first local component of a distributed variable, else itself."""
+    values = getattr(variable, "values", None)
+    return values[0] if values else variable
+
+
+def _host(value):
+    return value if isinstance(value, np.ndarray) else value.numpy()

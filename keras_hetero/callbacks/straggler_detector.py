@@ -1,5 +1,6 @@
 """`StragglerDetector`: finds slow replicas and stuck workers."""
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -11,6 +12,12 @@ from keras_hetero import straggler
 from keras_hetero._compat import keras
 
 logger = logging.getLogger("keras_hetero")
+
+# One scoring thread for all detectors; each waits for its previous job
+# before submitting the next, so a detector's state is never raced.
+_SCORER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="keras_hetero_straggler"
+)
 
 ACTIONS = ("warn", "rebalance", "checkpoint", "stop")
 
@@ -28,6 +35,11 @@ class StragglerDetector(keras.callbacks.Callback):
     both over the median of the last `window` steps. A replica whose score
     stays below `threshold` for `patience` evaluations becomes a straggler;
     it recovers after `patience` evaluations with both scores back above.
+
+    The scoring of a step runs on a helper thread while the next step
+    computes, so it adds next to nothing to the step time; a step's events
+    are therefore emitted at the end of the following step (and at epoch and
+    train end, so none is lost). `event.step` is the step that was scored.
 
     Each event is appended to `.events`, logged as one line naming replica,
     worker, device and scores, passed to `on_straggler(event)`, written to
@@ -149,6 +161,7 @@ class StragglerDetector(keras.callbacks.Callback):
         self.events = []
         self.hangs = []
         self._state = None
+        self._scoring = None
         self._writer = None
         self._watchdog = None
 
@@ -160,6 +173,7 @@ class StragglerDetector(keras.callbacks.Callback):
         self._state = None
         self._steps = 0
         self._batch_start = None
+        self._scoring = None
         if self.log_dir is not None and self._writer is None:
             import tensorflow as tf
 
@@ -169,6 +183,7 @@ class StragglerDetector(keras.callbacks.Callback):
             self._watchdog.start()
 
     def on_train_end(self, logs=None):
+        self._finish_scoring()
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -185,25 +200,40 @@ class StragglerDetector(keras.callbacks.Callback):
         self._steps += steps
         if self._watchdog is not None:
             self._watchdog.step_finished(self._steps)
+        # Score on a helper thread while the next step runs (TensorFlow
+        # releases the GIL while it computes), so the scoring stays off the
+        # step's critical path; its events are emitted here one step later.
+        self._finish_scoring()
         if self._state is None:
             self._state = straggler.ScoreState.empty(len(rows), self.window)
             self._devices = devices
-        self._state = straggler.add_reading(self._state, rows, seconds)
+        self._scoring = _SCORER.submit(self._score, rows, seconds, self._steps)
+
+    def _score(self, rows, seconds, step):
+        """Adds one reading and evaluates; returns the events (any thread)."""
+        state = straggler.add_reading(self._state, rows, seconds)
         self._state, changes = straggler.evaluate(
-            self._state, threshold=self.threshold, patience=self.patience
+            state, threshold=self.threshold, patience=self.patience
         )
-        for replica, kind, relative, individual in changes:
-            self._emit(
-                straggler.StragglerEvent(
-                    step=self._steps,
-                    replica=replica,
-                    worker=_worker_of(replica, self._devices),
-                    device=self._devices[replica],
-                    relative_score=relative,
-                    individual_score=individual,
-                    kind=kind,
-                )
+        return [
+            straggler.StragglerEvent(
+                step=step,
+                replica=replica,
+                worker=_worker_of(replica, self._devices),
+                device=self._devices[replica],
+                relative_score=relative,
+                individual_score=individual,
+                kind=kind,
             )
+            for replica, kind, relative, individual in changes
+        ]
+
+    def _finish_scoring(self):
+        """Waits for the pending scoring and emits its events."""
+        scoring, self._scoring = getattr(self, "_scoring", None), None
+        if scoring is not None:
+            for event in scoring.result():
+                self._emit(event)
 
     def _observation(self):
         stats = getattr(self.model, "step_stats", None)
@@ -214,6 +244,7 @@ class StragglerDetector(keras.callbacks.Callback):
         return np.array([1]), np.array([seconds]), 1, [_this_worker_name()]
 
     def on_epoch_end(self, epoch, logs=None):
+        self._finish_scoring()
         if logs is None or self._state is None:
             return
         relative, individual = straggler.scores(self._state)
@@ -265,6 +296,7 @@ class StragglerDetector(keras.callbacks.Callback):
 
     def get_state(self):
         """Plain-data state for checkpoints."""
+        self._finish_scoring()
         return {
             "scores": None if self._state is None else self._state.to_dict(),
             "steps": getattr(self, "_steps", 0),
@@ -273,6 +305,7 @@ class StragglerDetector(keras.callbacks.Callback):
     def set_state(self, state):
         """Restores `get_state()` output."""
         scores = state["scores"]
+        self._finish_scoring()
         self._state = (
             None if scores is None else straggler.ScoreState.from_dict(scores)
         )
