@@ -167,14 +167,55 @@ def is_loss_scale_optimizer(optimizer):
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-def checkpoint_variables(model):
-    """Every variable a checkpoint must hold: model state, then optimizer.
+def all_layers(model):
+    """Every layer inside `model`, nested models' layers included."""
+    seen, stack = [], list(getattr(model, "layers", []))
+    while stack:
+        layer = stack.pop()
+        if any(layer is s for s in seen):
+            continue
+        seen.append(layer)
+        stack.extend(getattr(layer, "layers", []) or [])
+    return seen
 
-    Builds the optimizer's variables first if it has not run a step yet, so
-    a restore before the first step has somewhere to put the slots.
+
+def jit_compiled(model):
+    """Whether the model's train step is compiled with XLA."""
+    if IS_LEGACY:
+        return bool(getattr(model, "_jit_compile", False))
+    return bool(getattr(model, "jit_compile", False))
+
+
+def fix_synchronized_batch_norm(model):
+    """tf-keras only: synchronized BatchNormalization on a replica with no
+    rows still updates its moving statistics.
+
+    Upstream (tf-keras 2.21, `BatchNormalizationBase._support_zero_size_input`
+    and `_assign_moving_average`): under a strategy with partial batches a
+    replica whose LOCAL batch is empty skips the moving-average update even
+    when the statistics are synchronized (global, valid). The moving
+    statistics are ON_READ MEAN, so the read then averages in a stale copy:
+    with shares [1, 0] they come out halved. Keras 3 has no such skip.
+    """
+    if not IS_LEGACY:
+        return
+    for layer in all_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and getattr(
+            layer, "synchronized", False
+        ):
+            # An instance attribute: only this model's layers change.
+            object.__setattr__(layer, "_support_zero_size_input", _no)
+
+
+def _no():
+    return False
+
+
+def build_optimizer(model):
+    """Creates the optimizer's variables now if no step has yet.
 
     Returns:
-        `(names, variables)`, in a stable order for the same model code.
+        The optimizer (or None).
     """
     optimizer = model.optimizer
     if optimizer is not None:
@@ -186,13 +227,26 @@ def checkpoint_variables(model):
         if not built:
             with model.distribute_strategy.scope():
                 optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+def checkpoint_variables(model):
+    """Every variable a checkpoint must hold: model state, then optimizer.
+
+    Builds the optimizer's variables first if it has not run a step yet, so
+    a restore before the first step has somewhere to put the slots.
+
+    Returns:
+        `(names, variables)`, in a stable order for the same model code.
+    """
+    optimizer = build_optimizer(model)
     variables = list(model.variables)
     if optimizer is not None:
         extra = optimizer.variables
         variables += list(extra() if callable(extra) else extra)
-    scale = getattr(getattr(model, "_hetero", None), "loss_scale", None)
-    if scale is not None:
-        variables += scale.variables
+    own = getattr(model, "_hetero_variables", None)
+    if own is not None:  # loss scale, gradient accumulator
+        variables += own()
     unique, seen = [], set()
     for variable in variables:
         if id(variable) not in seen:
@@ -284,17 +338,33 @@ class Keras3TrainerOverrides:
         # steps return logs that are already global and identical on every
         # replica, so replica 0's copy is the answer; everything else is
         # Keras' own function (tf.function, jit_compile, steps_per_execution).
+        # Under a strategy XLA compiles each replica's step (as tf-keras
+        # does), not the whole `strategy.run`: Keras 3.15 compiles the
+        # latter, which cannot reach variables on any device but the first
+        # ("Trying to access resource ... located in device CPU:1"), e.g.
+        # under OneDeviceStrategy("/cpu:1"). Without a strategy, Keras' own
+        # structure. XLA cannot lift variables created inside HeteroModel's
+        # step, so the optimizer's are created first.
         strategy = self.distribute_strategy
+        jit = bool(self.jit_compile) and not self.run_eagerly
+        per_replica = jit and self._distribute_strategy is not None
+        replica_step = step_function
+        if jit and self.built:
+            build_optimizer(self)
+        if per_replica:
+            replica_step = tf.function(
+                step_function, reduce_retracing=True, jit_compile=True
+            )
 
         def one_step_on_data(data):
-            outputs = strategy.run(step_function, args=(data,))
+            outputs = strategy.run(replica_step, args=(data,))
             return first_local_values(strategy, outputs)
 
         if not self.run_eagerly:
             one_step_on_data = tf.function(
                 one_step_on_data,
                 reduce_retracing=True,
-                jit_compile=self.jit_compile,
+                jit_compile=jit and not per_replica,
             )
         steps_per_execution = int(self.steps_per_execution)
 

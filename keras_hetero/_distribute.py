@@ -85,3 +85,15 @@ def num_workers(strategy):
         return 1
     cluster = strategy.cluster_resolver.cluster_spec().as_dict()
     return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def cpu_replicas(strategy):
+    """True if the strategy has several replicas and this worker's are CPUs."""
+    if strategy.num_replicas_in_sync < 2:
+        return False
+    devices = getattr(strategy.extended, "worker_devices", ())
+    return any(
+        (tf.DeviceSpec.from_string(device).device_type or "CPU").upper()
+        == "CPU"
+        for device in devices
+    )

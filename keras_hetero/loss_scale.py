@@ -16,6 +16,8 @@ optimizer's own `merge_call`.
 
 import tensorflow as tf
 
+from keras_hetero import accumulation
+
 
 class DynamicLossScale:
     """Loss scale state and the skip-or-apply step; create in the scope.
@@ -49,30 +51,27 @@ class DynamicLossScale:
     def variables(self):
         return [self.scale, self.good_steps, self.skipped]
 
-    def apply_if_finite(self, apply_fn, grads):
+    def apply_if_finite(self, apply_fn, grads, ready=None):
         """In replica context: `apply_fn(grads)` everywhere iff every
         gradient is finite, then updates the scale.
 
         `grads` must already be aggregated (identical on all replicas).
+        With `ready` (a bool scalar, identical on all replicas; gradient
+        accumulation), nothing is applied and the scale is left alone unless
+        `ready` is True.
         """
         finite = all_finite(grads)
-        context = tf.distribute.get_replica_context()
+        if ready is None:
+            ready = tf.constant(True)
+        accumulation.apply_when(
+            tf.logical_and(finite, ready),
+            apply_fn,
+            grads,
+            after=self._update,
+            after_args=(finite, ready),
+        )
 
-        def cross_replica(strategy, grads, finite):
-            # Identical on every replica: the gradients are aggregated.
-            finite = strategy.experimental_local_results(finite)[0]
-
-            def apply():
-                strategy.extended.call_for_each_replica(apply_fn, args=(grads,))
-                return tf.constant(True)
-
-            applied = tf.cond(finite, apply, lambda: tf.constant(False))
-            with tf.control_dependencies([applied]):
-                self._update(finite)
-
-        context.merge_call(cross_replica, args=(grads, finite))
-
-    def _update(self, finite):
+    def _update(self, finite, ready):
         grow = tf.logical_and(finite, self.good_steps + 1 >= self.growth_steps)
         new_scale = tf.where(
             grow,
@@ -88,9 +87,10 @@ class DynamicLossScale:
             tf.where(grow, tf.constant(0, tf.int64), self.good_steps + 1),
             tf.constant(0, tf.int64),
         )
-        self.scale.assign(new_scale)
-        self.good_steps.assign(good)
-        self.skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        skipped = tf.cast(tf.logical_not(finite), tf.int64)
+        self.scale.assign(tf.where(ready, new_scale, self.scale))
+        self.good_steps.assign(tf.where(ready, good, self.good_steps))
+        self.skipped.assign_add(skipped * tf.cast(ready, tf.int64))
 
 
 def all_finite(grads):

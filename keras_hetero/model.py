@@ -7,8 +7,11 @@ One training step, per replica:
 2. gradients of that local SUM, time stamp (compute seconds end here);
 3. one cross-replica SUM of the gradients together with every replica's rows
    and seconds (`aggregation.aggregate`);
-4. division by the global row count, optional global-norm clipping, then the
-   optimizer update with its own all-reduce skipped.
+4. with `accumulation_steps=k`, addition to running sums (the update comes
+   on every k-th micro-step);
+5. division by the global row count, optional global-norm clipping, the
+   finite check under float16 loss scaling, then the optimizer update with
+   its own all-reduce skipped.
 
 Summed over replicas the gradient is `d/dw (SUM of per-example losses / global
 rows + regularisers)`: exactly what one device computes on the concatenated
@@ -17,10 +20,12 @@ global batch, for any split of rows (a replica may have none).
 
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import accumulation
 from keras_hetero import aggregation
 from keras_hetero import loss_scale as loss_scale_lib
 from keras_hetero import precision as precision_lib
@@ -30,6 +35,9 @@ from keras_hetero.data.shard import HeteroDataset
 
 PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
 _PLANNED = "is not available in this release of keras-hetero yet"
+# `tf.distribute.experimental.CommunicationOptions` is a factory; this is
+# the class of what it returns.
+_COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
 
 
 class HeteroModel(_compat.TrainerOverrides, keras.Model):
@@ -61,7 +69,12 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             (follow the layers).
         gradient_compression: `None`, `"fp16"` or `"bf16"`: the gradients'
             dtype on the wire during the all-reduce only. Defaults to `None`.
-        accumulation_steps: Must be 1 for now. Defaults to `1`.
+        accumulation_steps: Micro-steps (train batches) per optimizer
+            update. The update after `k` micro-steps equals one step on the
+            union of their rows, weighted by rows even when the split of
+            rows differs between micro-steps; `optimizer.iterations` counts
+            updates. Partial sums carry over epoch ends; those left when
+            `fit` returns are not applied. Defaults to `1`.
         pipeline_microbatches: Must be 1 for now. Defaults to `1`.
         communication: A `tf.distribute.experimental.CommunicationOptions`
             passed to the gradient all-reduce. Defaults to `None`.
@@ -189,7 +202,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         hetero = self._hetero
         rows = _batch_rows(x)
-        start = telemetry.clock(rows)
+        timed = not _compat.jit_compiled(self)  # XLA cannot call the host
+        start = telemetry.clock(rows, timed)
         with tf.control_dependencies([start]):
             x = tf.nest.map_structure(tf.identity, x)
         variables = self.trainable_variables
@@ -211,7 +225,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if scale is not None:
             grads = [_times(g, row_count) for g in grads]
         with tf.control_dependencies(_dependencies(grads)):
-            seconds = telemetry.clock(rows) - start
+            seconds = telemetry.clock(rows, timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         stats = telemetry.stats_vector(num_replicas, rows, seconds)
         grads, stats = aggregation.aggregate(
@@ -221,7 +235,12 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             options=hetero.communication,
         )
         global_rows = tf.reduce_sum(stats[:num_replicas])
-        divisor = global_rows if scale is None else global_rows * scale.scale
+        accumulator = self._accumulator()
+        rows_so_far, ready = global_rows, None
+        if accumulator is not None:
+            grads, rows_so_far, ready = accumulator.add(grads, global_rows)
+            stored = grads
+        divisor = rows_so_far if scale is None else rows_so_far * scale.scale
         grads = aggregation.divide(grads, divisor)
         grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
 
@@ -235,11 +254,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
 
         with tf.control_dependencies([global_rows]):
-            if scale is None:
-                apply(grads)
-            else:
+            if scale is not None:
                 # Skipped everywhere if any replica's gradient overflowed.
-                scale.apply_if_finite(apply, grads)
+                scale.apply_if_finite(apply, grads, ready)
+            elif ready is not None:
+                accumulation.apply_when(ready, apply, grads)
+            else:
+                apply(grads)
+            if accumulator is not None:
+                accumulator.store(stored, rows_so_far, ready)
         if hetero.telemetry is not None:
             hetero.telemetry.record(stats)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
@@ -266,6 +289,28 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             return self.get_metrics_result()
         return context.merge_call(lambda _: self.get_metrics_result())
 
+    def _accumulator(self):
+        """The `GradientAccumulator` (created once), or None for k = 1."""
+        hetero = self._hetero
+        if hetero.accumulation_steps == 1:
+            return None
+        if getattr(hetero, "accumulator", None) is None:
+            with self.distribute_strategy.scope():
+                hetero.accumulator = accumulation.GradientAccumulator(
+                    self.trainable_variables, hetero.accumulation_steps
+                )
+        return hetero.accumulator
+
+    def _hetero_variables(self):
+        """Variables of HeteroModel's own state a checkpoint must hold."""
+        hetero = self._hetero
+        found = []
+        if hetero.loss_scale is not None:
+            found += hetero.loss_scale.variables
+        if self._accumulator() is not None:
+            found += hetero.accumulator.variables
+        return found
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
@@ -277,6 +322,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             hetero.telemetry = telemetry.Telemetry(
                 strategy, _distribute.global_replica_devices(strategy)
             )
+        if self.built:  # else its first trace builds the model and sums
+            self._accumulator()
         super().make_train_function(force=force)
         function = self.train_function
         if hetero.telemetry is None:
@@ -340,6 +387,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                         "unknown length. Pass `steps_per_epoch=` to `fit` "
                         "(global batches per epoch) under tf-keras."
                     )
+        _check_batch_normalization(self, dataset, kwargs.get("callbacks"))
+        _compat.fix_synchronized_batch_norm(self)
         x = self._as_input(x, repeat=_compat.IS_LEGACY)
         validation = kwargs.get("validation_data")
         if isinstance(validation, HeteroDataset):
@@ -413,6 +462,21 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 f"is not supported on Keras {_compat.KERAS_VERSION} (stock "
                 "Keras fails too). Use steps_per_execution=1, or tf-keras "
                 "(TF_USE_LEGACY_KERAS=1)."
+            )
+        if (
+            method in ("fit", "evaluate")
+            and _compat.jit_compiled(self)
+            and _distribute.cpu_replicas(self.distribute_strategy)
+        ):
+            raise ValueError(
+                f"`{self.name}.{method}()` with `jit_compile=True` under "
+                f"{type(self.distribute_strategy).__name__} with "
+                f"{self.distribute_strategy.num_replicas_in_sync} replicas on "
+                "CPU devices: TensorFlow cannot compile the cross-replica "
+                'all-reduce for CPUs with XLA ("Collectives are not yet '
+                'implemented for CPU devices when compiling with XLA", '
+                "b/194942685). Compile with `jit_compile=False`, or use one "
+                "replica (no strategy, OneDeviceStrategy) or GPUs."
             )
         current = tf.distribute.get_strategy()
         created = _compat.model_strategy(self)
@@ -501,6 +565,7 @@ class _HeteroState:
             setattr(self, name, value)
         self.telemetry = None
         self.loss_scale = None
+        self.accumulator = None
 
     def config(self):
         return {name: self.settings[name] for name in self.SERIALISED}
@@ -534,10 +599,12 @@ def _check_options(
                 f"Invalid value for argument `{name}`. Received: "
                 f"{name}={value!r}. Expected an integer >= 1."
             )
-        if value != 1:
-            raise NotImplementedError(f"{name}={value} {_PLANNED}.")
+    if pipeline_microbatches != 1:
+        raise NotImplementedError(
+            f"pipeline_microbatches={pipeline_microbatches} {_PLANNED}."
+        )
     if communication is not None and not isinstance(
-        communication, tf.distribute.experimental.CommunicationOptions
+        communication, _COMMUNICATION_OPTIONS
     ):
         raise TypeError(
             "Invalid value for argument `communication`. Received: "
@@ -564,6 +631,46 @@ def _times(grad, factor):
             grad.values * factor, grad.indices, grad.dense_shape
         )
     return grad * factor
+
+
+def _check_batch_normalization(model, dataset, callbacks):
+    """Per-replica batch statistics and uneven shares: warn, or raise when a
+    replica is given no rows (its empty batch makes the statistics NaN)."""
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas == 1 or not isinstance(dataset, HeteroDataset):
+        return
+    local = [
+        layer.name
+        for layer in _compat.all_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization)
+        and not getattr(layer, "synchronized", False)
+    ]
+    if not local:
+        return
+    shares = dataset.shares
+    fix = (
+        "Use `BatchNormalization(synchronized=True)`: it all-reduces the "
+        "batch statistics, which makes training match one device on the "
+        "global batch for any split of rows (docs/precision.md)."
+    )
+    if (shares == 0).any():
+        raise ValueError(
+            f"BatchNormalization layer(s) {local} compute statistics over "
+            f"each replica's own rows, and the shares {shares.tolist()} give "
+            f"replica(s) {np.flatnonzero(shares == 0).tolist()} no rows: "
+            f"their statistics would be NaN and poison the weights. {fix}"
+        )
+    from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
+
+    moving = any(isinstance(c, ShardRebalancer) for c in callbacks or ())
+    if moving or not np.allclose(shares, shares[0]):
+        warnings.warn(
+            f"BatchNormalization layer(s) {local} normalise each replica's "
+            "rows separately, so with uneven shares a replica with few rows "
+            "weighs as much as one with many in the moving statistics, and a "
+            f"replica left with no rows makes them NaN. {fix}",
+            stacklevel=3,
+        )
 
 
 def _elastic_checkpoints(callbacks):

@@ -13,6 +13,7 @@ precision. "auto" picks the fastest one that every device runs well:
 
 import tensorflow as tf
 
+from keras_hetero import _compat
 from keras_hetero._compat import keras
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -121,22 +122,11 @@ def set_precision(precision, strategy=None):
 def compute_dtypes(model):
     """The set of compute dtypes of the model's layers (names)."""
     dtypes = set()
-    for layer in _all_layers(model):
+    for layer in _compat.all_layers(model):
         dtype = getattr(layer, "compute_dtype", None)
         if dtype is not None:
             dtypes.add(tf.as_dtype(dtype).name)
     return dtypes
-
-
-def _all_layers(model):
-    seen, stack = [], list(getattr(model, "layers", []))
-    while stack:
-        layer = stack.pop()
-        if any(layer is s for s in seen):
-            continue
-        seen.append(layer)
-        stack.extend(getattr(layer, "layers", []) or [])
-    return seen
 
 
 def check_model(model, policy):

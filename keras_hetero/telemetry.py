@@ -52,13 +52,18 @@ def _now(dependency):
     return np.float64(time.perf_counter())
 
 
-def clock(dependency):
+def clock(dependency, enabled=True):
     """Host time in seconds, taken once `dependency` is computed.
 
     A stateless `numpy_function` keeps TensorFlow's automatic control
     dependencies from ordering the clocks of different replicas one after the
     other (a stateful op would serialize the replicas' steps).
+
+    With `enabled=False` (an XLA-compiled step, which cannot call the host)
+    the time is NaN: "not measured" to everything that reads it.
     """
+    if not enabled:
+        return tf.constant(np.nan, tf.float64)
     value = tf.numpy_function(_now, [dependency], tf.float64, stateful=False)
     value.set_shape([])
     return value

@@ -153,14 +153,15 @@ class PoisonGradient(keras.layers.Layer):
         return identity(x)
 
 
-def poisoned_model(armed):
+def poisoned_model(armed, **kwargs):
     """A float16 HeteroModel whose replica 1 gets an inf gradient while
-    `armed[0]`; build in the strategy scope under mixed_float16."""
+    `armed[0]`; build in the strategy scope under mixed_float16. `kwargs`
+    go to HeteroModel."""
     inputs = keras.Input((FEATURES,))
     hidden = keras.layers.Dense(4, activation="tanh")(inputs)
     hidden = PoisonGradient(1, armed)(hidden)
     outputs = keras.layers.Dense(1, dtype="float32")(hidden)
-    model = kh.HeteroModel(inputs, outputs, precision="mixed_float16")
+    model = kh.HeteroModel(inputs, outputs, precision="mixed_float16", **kwargs)
     model.compile(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse"
     )

@@ -231,7 +231,7 @@ def test_dataset_for_another_strategy_is_an_error():
         ({"global_clipnorm": 0.0}, ValueError, "global_clipnorm=0.0"),
         ({"communication": "ring"}, TypeError, "CommunicationOptions"),
         ({"pipeline_microbatches": 2}, NotImplementedError, "not available"),
-        ({"accumulation_steps": 4}, NotImplementedError, "not available"),
+        ({"accumulation_steps": 1.5}, ValueError, "accumulation_steps=1.5"),
     ],
 )
 def test_bad_model_arguments(kwargs, error, match):
