@@ -1,5 +1,8 @@
 """Facts about a `tf.distribute.Strategy` that several boxes need."""
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 
@@ -50,12 +53,37 @@ def global_replica_devices(strategy):
     return names
 
 
+# Not thread-local: `strategy.run` traces the step in a replica thread.
+_PS_WORKER = {"value": None}
+_PS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def parameter_server_worker(worker):
+    """While tracing a ParameterServerStrategy closure:
+    `parameter_server_worker_id()` is the index (an int32 tensor) of the
+    worker that runs it."""
+    with _PS_LOCK:
+        previous, _PS_WORKER["value"] = _PS_WORKER["value"], worker
+        try:
+            yield
+        finally:
+            _PS_WORKER["value"] = previous
+
+
+def parameter_server_worker_id():
+    """The worker index tensor set by `parameter_server_worker`, or None."""
+    return _PS_WORKER["value"]
+
+
 def replica_id():
     """This replica's global index inside `strategy.run`.
 
     A Python int where the strategy knows it while tracing (all strategies
     keras_hetero supports), so no tensor from an outer graph is captured in
-    Keras' nested `while`/`cond` of `steps_per_execution`.
+    Keras' nested `while`/`cond` of `steps_per_execution`. (Under
+    ParameterServerStrategy each worker steps alone: always 0; see
+    `parameter_server_worker_id` for which worker runs.)
     """
     context = tf.distribute.get_replica_context()
     if context is None:
@@ -68,8 +96,11 @@ def is_chief(strategy):
     """Whether this process writes shared files (checkpoints) for the job.
 
     The `chief` task if the cluster has one, else worker 0; every process
-    of a single-worker strategy.
+    of a single-worker strategy; the coordinator under
+    ParameterServerStrategy.
     """
+    if is_parameter_server(strategy):
+        return True  # the coordinator is the only process that runs `fit`
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not is_multi_worker(strategy):
         return True
@@ -80,7 +111,10 @@ def is_chief(strategy):
 
 
 def num_workers(strategy):
-    """Worker processes in the job (1 unless multi-worker)."""
+    """Worker processes in the job (1 unless multi-worker; under
+    ParameterServerStrategy the workers, not the coordinator)."""
+    if is_parameter_server(strategy):
+        return strategy.extended._num_workers
     if not is_multi_worker(strategy):
         return 1
     cluster = strategy.cluster_resolver.cluster_spec().as_dict()

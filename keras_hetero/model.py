@@ -202,7 +202,11 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         hetero = self._hetero
         rows = _batch_rows(x)
-        timed = not _compat.jit_compiled(self)  # XLA cannot call the host
+        # XLA cannot call the host, nor can a parameter-server worker (its
+        # closures are timed on the worker by the runner instead).
+        timed = not _compat.jit_compiled(self) and not (
+            _distribute.is_parameter_server(tf.distribute.get_strategy())
+        )
         start = telemetry.clock(rows, timed)
         with tf.control_dependencies([start]):
             x = tf.nest.map_structure(tf.identity, x)
@@ -289,6 +293,18 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             return self.get_metrics_result()
         return context.merge_call(lambda _: self.get_metrics_result())
 
+    def _parameter_server(self):
+        """The `ParameterServerRunner` of this model (created once)."""
+        from keras_hetero import parameter_server
+
+        hetero = self._hetero
+        if getattr(hetero, "parameter_server", None) is None:
+            hetero.parameter_server = parameter_server.ParameterServerRunner(
+                self
+            )
+            hetero.telemetry = hetero.parameter_server.telemetry
+        return hetero.parameter_server
+
     def _accumulator(self):
         """The `GradientAccumulator` (created once), or None for k = 1."""
         hetero = self._hetero
@@ -373,6 +389,24 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
+        if _distribute.is_parameter_server(self.distribute_strategy):
+            options = _parameter_server_arguments("fit", x, y, args, kwargs)
+            runner = self._parameter_server()
+            checkpoints = _elastic_checkpoints(options.get("callbacks"))
+            if len(checkpoints) > 1:
+                raise ValueError(
+                    "Pass at most one ElasticCheckpoint in `callbacks`; "
+                    f"received {len(checkpoints)}."
+                )
+            if checkpoints:
+                from keras_hetero.callbacks import elastic_checkpoint
+
+                checkpoints[0]._attach(
+                    elastic_checkpoint.ParameterServerInput(runner.num_workers),
+                    list(options["callbacks"]),
+                )
+                checkpoints[0]._restore(self, options)
+            return runner.fit(**options)
         dataset = x
         if isinstance(x, HeteroDataset):
             # Global batches keep their order; shuffle the examples instead.
@@ -422,6 +456,16 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
+        if _distribute.is_parameter_server(self.distribute_strategy):
+            options = _parameter_server_arguments(
+                "evaluate", x, y, args, kwargs
+            )
+            return_dict = options.pop("return_dict")
+            logs = self._parameter_server().evaluate(**options)
+            if return_dict:
+                return logs
+            values = list(logs.values())  # loss first, then the metrics
+            return values[0] if len(values) == 1 else values
         if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
@@ -429,22 +473,24 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def predict(self, x, *args, **kwargs):
         self._check_strategy("predict")
+        if _distribute.is_parameter_server(self.distribute_strategy):
+            import inspect
+
+            bound = inspect.signature(keras.Model.predict).bind(
+                None, x, *args, **kwargs
+            )
+            given = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+            return self._parameter_server().predict(
+                x,
+                batch_size=given.get("batch_size"),
+                steps=given.get("steps"),
+            )
         if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
         return super().predict(self._as_input(x), *args, **kwargs)
 
     def _check_strategy(self, method):
-        strategy = self.distribute_strategy
-        if not _compat.IS_LEGACY and _distribute.is_parameter_server(strategy):
-            raise NotImplementedError(
-                f"`{self.name}.{method}()` under ParameterServerStrategy is "
-                f"not supported on Keras {_compat.KERAS_VERSION}: Keras 3 has "
-                "no ClusterCoordinator path (stock `fit` fails with 'To use "
-                "this dataset, you need to pass this dataset to "
-                "ClusterCoordinator.create_per_worker_dataset'). Use tf-keras "
-                "(TF_USE_LEGACY_KERAS=1), or MultiWorkerMirroredStrategy."
-            )
         if (
             not _compat.IS_LEGACY
             and method in ("fit", "evaluate")
@@ -566,6 +612,7 @@ class _HeteroState:
         self.telemetry = None
         self.loss_scale = None
         self.accumulator = None
+        self.parameter_server = None
 
     def config(self):
         return {name: self.settings[name] for name in self.SERIALISED}
@@ -631,6 +678,73 @@ def _times(grad, factor):
             grad.values * factor, grad.indices, grad.dense_shape
         )
     return grad * factor
+
+
+def _parameter_server_arguments(method, x, y, args, kwargs):
+    """`fit` / `evaluate` arguments for the parameter-server runner.
+
+    Raises:
+        ValueError: For arguments that have no meaning there.
+    """
+    import inspect
+
+    bound = inspect.signature(getattr(keras.Model, method)).bind(
+        None, x, y, *args, **kwargs
+    )
+    given = dict(bound.arguments)
+    given.pop("self")
+    given.update(given.pop("kwargs", {}))
+    supported = {
+        "fit": (
+            "x",
+            "epochs",
+            "steps_per_epoch",
+            "callbacks",
+            "verbose",
+            "initial_epoch",
+            "validation_data",
+            "validation_steps",
+            "validation_freq",
+        ),
+        "evaluate": ("x", "steps", "callbacks", "verbose", "return_dict"),
+    }[method]
+    # Defaults that mean "not used" are fine.
+    ignorable = {
+        "y": None,
+        "batch_size": None,
+        "shuffle": True,
+        "sample_weight": None,
+        "class_weight": None,
+        "validation_split": 0.0,
+        "validation_batch_size": None,
+        "max_queue_size": 10,
+        "workers": 1,
+        "use_multiprocessing": False,
+    }
+    unsupported = [
+        name
+        for name, value in given.items()
+        if name not in supported
+        and not (name in ignorable and value == ignorable[name])
+    ]
+    if unsupported:
+        raise ValueError(
+            f"`{method}` under ParameterServerStrategy takes the data as a "
+            "`dataset_fn(input_context)` or a batched `tf.data.Dataset` "
+            f"(labels and weights inside it); {sorted(unsupported)} cannot "
+            f"be used there. Supported arguments: {list(supported)}."
+        )
+    options = {name: given[name] for name in supported if name in given}
+    if method == "evaluate":
+        options.setdefault("return_dict", False)
+    if isinstance(options.get("x"), HeteroDataset):
+        raise ValueError(
+            "A `kh.data.HeteroDataset` splits global batches between "
+            "replicas that step together; under ParameterServerStrategy each "
+            "worker steps on its own. Pass a `dataset_fn(input_context)` or "
+            "a batched `tf.data.Dataset` instead."
+        )
+    return options
 
 
 def _check_batch_normalization(model, dataset, callbacks):

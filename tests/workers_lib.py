@@ -84,55 +84,6 @@ def pss_server(cluster, job, index):
     server.join()
 
 
-def pss_coordinator(cluster, queue):
-    """Fits a HeteroModel under ParameterServerStrategy; reports to `queue`."""
-    import os
-
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    try:
-        import helpers
-        import tensorflow as tf
-
-        import keras_hetero as kh
-        from keras_hetero._compat import keras
-
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(cluster), rpc_layer="grpc"
-        )
-        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
-
-        def dataset_fn(input_context):
-            return helpers.examples().repeat().batch(8)
-
-        try:
-            with strategy.scope():
-                model = helpers.hetero_model()
-            history = model.fit(
-                keras.utils.experimental.DatasetCreator(dataset_fn)
-                if kh.FLAVOUR == "tf-keras"
-                else dataset_fn,
-                epochs=2,
-                steps_per_epoch=5,
-                verbose=0,
-            )
-        except NotImplementedError as error:
-            queue.put(("not_implemented", str(error)))
-            return
-        queue.put(
-            (
-                "ok",
-                {
-                    "loss": history.history["loss"],
-                    "iterations": int(model.optimizer.iterations.numpy()),
-                },
-            )
-        )
-    except BaseException as error:  # report, never hang the test
-        import traceback
-
-        queue.put(("error", f"{error!r}\n{traceback.format_exc()}"))
-
-
 def rebalance_mwms(rows):
     """2-worker fit with ShardRebalancer; returns ids seen and decisions."""
     import helpers

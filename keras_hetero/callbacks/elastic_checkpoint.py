@@ -143,11 +143,6 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             A function that undoes `fit` argument changes afterwards.
         """
         self._chief = _distribute.is_chief(model.distribute_strategy)
-        if _distribute.is_parameter_server(model.distribute_strategy):
-            raise NotImplementedError(
-                "ElasticCheckpoint does not support ParameterServerStrategy "
-                "yet; use MirroredStrategy or MultiWorkerMirroredStrategy."
-            )
         self._reset_counters()
         found = checkpointing.newest_valid(self.directory)
         if found is None:
@@ -193,7 +188,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         # The step the resumed epoch starts at, counted in the new global
         # batches: the remaining examples take `remaining` steps.
         per_epoch = kwargs.get("steps_per_epoch") or dataset.num_batches
-        if per_epoch:
+        if new_batch is None:  # parameter servers: steps, not examples
+            step = state["step_in_epoch"]
+        elif per_epoch:
             examples = dataset.num_examples
             remaining = (
                 -(-(examples - done) // new_batch)
@@ -217,6 +214,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             step,
             self._global_step,
         )
+        if isinstance(dataset, ParameterServerInput):
+            kwargs["initial_epoch"], kwargs["initial_step"] = epoch, step
+            return lambda: None
         return _compat.set_initial_step(model, epoch, step, kwargs)
 
     def _resize_batch(self, model, path, state, old_batch, new_batch):
@@ -294,7 +294,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self._raise_writer_error()
         self._global_step += 1
         self._step_in_epoch += 1
-        self._examples_in_epoch += self._dataset.global_batch_size
+        self._examples_in_epoch += self._dataset.global_batch_size or 0
         self._since_save += 1
         if self._stop_requested:
             self.preempted = True
@@ -508,6 +508,27 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             "step_in_epoch": self._step_in_epoch,
             "examples_in_epoch": self._examples_in_epoch,
         }
+
+
+class ParameterServerInput:
+    """What ElasticCheckpoint keeps of the input under
+    ParameterServerStrategy: nothing but the step count.
+
+    Each worker reads its own repeated copy of the data there, so there is
+    no data position to save; a resumed `fit` continues at the saved epoch
+    and step with fresh input (steps are at-least-once anyway).
+    """
+
+    global_batch_size = None
+    num_examples = None
+    num_batches = None
+
+    def __init__(self, num_workers):
+        self.num_replicas = num_workers
+        self.shares = [1.0 / num_workers] * num_workers
+
+    def resume_after(self, examples):
+        del examples  # no position to skip to
 
 
 def _learning_rate(optimizer):

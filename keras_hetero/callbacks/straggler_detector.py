@@ -51,7 +51,8 @@ class StragglerDetector(keras.callbacks.Callback):
     - `"stop"`: checkpoint if possible, then `model.stop_training = True`.
 
     Hang watchdog (multi-worker): with `hang_timeout` seconds set, a thread
-    notices when a train step does not finish in time, asks TensorFlow's
+    notices when a train step (after the first of the `fit`, which traces)
+    does not finish in time, asks TensorFlow's
     coordination service which workers have not reached the current step,
     and logs them by index ("worker(s) [1] have not reached step 57"). With
     `abort_on_hang=True` it then exits the process with status
@@ -197,6 +198,8 @@ class StragglerDetector(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         rows, seconds, steps, devices = self._observation()
+        if steps == 0:  # ParameterServerStrategy: no step finished yet
+            return
         self._steps += steps
         if self._watchdog is not None:
             self._watchdog.step_finished(self._steps)
@@ -354,6 +357,7 @@ class _Watchdog:
         self.timeout = float(timeout)
         self._lock = threading.Lock()
         self._step = 0
+        self._first = None
         self._started = None
         self._reported = None
         self._stop = threading.Event()
@@ -371,6 +375,8 @@ class _Watchdog:
     def step_started(self, step):
         with self._lock:
             self._step, self._started = step, time.monotonic()
+            if self._first is None:
+                self._first = step
         _publish(self._task, step)
 
     def step_finished(self, step):
@@ -381,7 +387,9 @@ class _Watchdog:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             with self._lock:
                 step, started = self._step, self._started
-            if started is None or self._reported == step:
+            # The first step of a fit traces and sets up the collectives:
+            # it may take any time, and is not watched.
+            if started is None or self._reported == step or step == self._first:
                 continue
             if time.monotonic() - started < self.timeout:
                 continue

@@ -31,8 +31,11 @@ class SimulatedSpeed(keras.layers.Layer):
     Args:
         seconds_per_row: A float for every replica; a list with one float per
             global replica; or a dict `{device name: float}` where names are
-            matched on device type and index (and task, if given), e.g.
-            `{"CPU:1": 0.002}`. Replicas not in the dict do not sleep.
+            matched on the parts the name gives (device type and index, job,
+            task), e.g. `{"CPU:1": 0.002}` or `{"/job:worker/task:1": 0.002}`
+            (a ParameterServerStrategy worker). Replicas not in the dict do
+            not sleep. Under ParameterServerStrategy a list indexes workers
+            and the speeds are read when the step is traced.
             Defaults to `0.0`.
         **kwargs: What `keras.layers.Layer` takes.
 
@@ -80,6 +83,9 @@ class SimulatedSpeed(keras.layers.Layer):
         return value
 
     def call(self, inputs):
+        worker = _distribute.parameter_server_worker_id()
+        if worker is not None:
+            return self._call_on_worker(inputs, worker)
         replica = _distribute.replica_id()
         if isinstance(replica, int):
             strategy = tf.distribute.get_strategy()
@@ -98,12 +104,47 @@ class SimulatedSpeed(keras.layers.Layer):
             lambda t: t + tf.cast(delay, t.dtype), inputs
         )
 
+    def _call_on_worker(self, inputs, worker):
+        # A parameter-server worker runs the step without this process's
+        # Python: the sleep is a TensorFlow op there (a dataset that sleeps
+        # before its element), and the speeds are fixed when the step is
+        # traced (`seconds_per_row` indexes workers).
+        strategy = tf.distribute.get_strategy()
+        workers = strategy.extended._num_workers
+        for index in range(workers):
+            self._device_by_replica[index] = (
+                f"/job:worker/replica:0/task:{index}/device:CPU:0"
+            )
+        table = tf.constant(
+            [self.seconds_for(index) for index in range(workers)], tf.float64
+        )
+        first = tf.nest.flatten(inputs)[0]
+        rows = tf.cast(tf.shape(first)[0], tf.float64)
+        microseconds = tf.cast(rows * tf.gather(table, worker) * 1e6, tf.int64)
+        delay = tf.cast(_tf_sleep(microseconds), tf.float32)
+        return tf.nest.map_structure(
+            lambda t: t + tf.cast(delay, t.dtype), inputs
+        )
+
     def compute_output_shape(self, input_shape):
         return input_shape
 
     def get_config(self):
         value = self._seconds_per_row
         return {**super().get_config(), "seconds_per_row": value}
+
+
+def _tf_sleep(microseconds):
+    """Sleeps in a TensorFlow op (on whatever device runs it); returns 0."""
+    start = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+    variant = tf.raw_ops.SleepDataset(
+        input_dataset=start._variant_tensor,
+        sleep_microseconds=microseconds,
+        output_types=[tf.int64],
+        output_shapes=[[]],
+    )
+    slept = tf.data.experimental.from_variant(variant, start.element_spec)
+    return slept.take(1).get_single_element()
 
 
 def _non_negative(value, whole):
@@ -127,11 +168,20 @@ def _match_device(table, device):
         wanted = tf.DeviceSpec.from_string(
             key if key.startswith("/") else "/device:" + key
         )
+        # Every part the key names must match; parts it leaves out match
+        # anything ("CPU:1", "/job:worker/task:1").
         if (
-            (wanted.device_type or "").upper()
-            == (spec.device_type or "").upper()
-            and wanted.device_index == spec.device_index
+            (
+                wanted.device_type is None
+                or wanted.device_type.upper()
+                == (spec.device_type or "").upper()
+            )
+            and (
+                wanted.device_index is None
+                or wanted.device_index == spec.device_index
+            )
             and (wanted.task is None or wanted.task == spec.task)
+            and (wanted.job is None or wanted.job == spec.job)
         ):
             return seconds
     return 0.0

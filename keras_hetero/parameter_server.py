@@ -1,0 +1,414 @@
+"""ParameterServerStrategy: `fit` and `evaluate` through a ClusterCoordinator.
+
+Stock Keras 3.15 has no ClusterCoordinator path (its `fit` fails with "To use
+this dataset, you need to pass this dataset to
+ClusterCoordinator.create_per_worker_dataset"); tf-keras has one, but it
+cannot say which worker ran which step. HeteroModel runs this loop under both
+flavours.
+
+Each train step (or `steps_per_execution` steps) is a closure the
+coordinator schedules on whichever worker is free, so fast workers simply
+take more steps: asynchronous training, nothing for `ShardRebalancer` to
+balance. Every closure returns which worker ran it, its rows and its
+seconds, so `model.step_stats` has one entry per worker and
+`StragglerDetector` works. A closure whose worker fails is re-run on
+another worker, and a restarted worker rejoins: a step may run more than
+once (at-least-once), see docs/strategies.md.
+"""
+
+import collections
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero import telemetry
+from keras_hetero._compat import keras
+
+_WORKER_GONE = (
+    tf.errors.UnavailableError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+)
+
+
+class WorkerTelemetry:
+    """Per-worker steps, rows and seconds of the collected closures.
+
+    `step_stats()` has the `telemetry.StepStats` shape with one entry per
+    worker: the steps collected since the previous train batch ended (a
+    worker that ran none has 0 rows). `compute_seconds` is each closure's
+    whole time on its worker (input, step and parameter-server traffic).
+    """
+
+    def __init__(self, num_workers):
+        self.devices = [
+            f"/job:worker/replica:0/task:{index}"
+            for index in range(num_workers)
+        ]
+        self.reset()
+
+    def reset(self):
+        workers = len(self.devices)
+        self._step = 0
+        self._stats = None
+        self.steps_per_worker = np.zeros(workers, np.int64)
+        self.seconds_per_worker = np.zeros(workers, np.float64)
+        # Steps whose worker failed before its results were fetched.
+        self.unattributed_steps = 0
+
+    def add(self, results):
+        """Records `(worker, rows, seconds, steps)` tuples of one batch end."""
+        workers = len(self.devices)
+        rows = np.zeros(workers, np.int64)
+        seconds = np.zeros(workers, np.float64)
+        steps = 0
+        for worker, worker_rows, worker_seconds, worker_steps in results:
+            rows[worker] += worker_rows
+            seconds[worker] += worker_seconds
+            self.steps_per_worker[worker] += worker_steps
+            self.seconds_per_worker[worker] += worker_seconds
+            steps += worker_steps
+        self._step += steps
+        self._stats = telemetry.StepStats(
+            step=self._step,
+            steps=steps,
+            rows=rows,
+            compute_seconds=seconds,
+            devices=list(self.devices),
+        )
+
+    def step_stats(self):
+        return self._stats
+
+    def snapshot(self):
+        """Nothing to do: `add` is called at every batch end."""
+
+    def record(self, gathered_stats):
+        """Nothing to do in the step: the runner times each closure."""
+
+
+class ParameterServerRunner:
+    """Runs a HeteroModel's `fit` / `evaluate` through a ClusterCoordinator.
+
+    Created once per model by `HeteroModel` (under ParameterServerStrategy).
+
+    Args:
+        model: A compiled `kh.HeteroModel` created in the strategy's scope.
+    """
+
+    def __init__(self, model):
+        _compat.atomic_variable_updates()
+        self.model = model
+        self.strategy = model.distribute_strategy
+        # One coordinator per strategy (the class returns the existing one).
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+            self.strategy
+        )
+        workers = self.coordinator._cluster.workers
+        self.num_workers = len(workers)
+        self.worker_ids = _worker_ids(self.coordinator)
+        self.telemetry = WorkerTelemetry(self.num_workers)
+        self._closures = {}
+
+    # --- input --------------------------------------------------------------
+
+    def per_worker_iterator(self, x):
+        """An iterator over per-worker datasets made from `x` (repeated)."""
+        strategy = self.strategy
+        if isinstance(x, tf.data.Dataset):
+            distributed = strategy.experimental_distribute_dataset(x.repeat())
+            dataset = self.coordinator.create_per_worker_dataset(distributed)
+        elif callable(x):
+            dataset_fn = _with_input_context(x)
+
+            def per_worker_dataset_fn():
+                return strategy.distribute_datasets_from_function(
+                    lambda context: dataset_fn(context).repeat()
+                )
+
+            dataset = self.coordinator.create_per_worker_dataset(
+                per_worker_dataset_fn
+            )
+        else:
+            raise TypeError(
+                "Under ParameterServerStrategy, HeteroModel takes a "
+                "`dataset_fn(input_context)` returning a batched "
+                "`tf.data.Dataset` (built on each worker), or a batched "
+                f"`tf.data.Dataset`. Received x of type {type(x).__name__}."
+            )
+        return iter(dataset)
+
+    # --- steps ----------------------------------------------------------
+
+    def _closure(self, step_function, steps):
+        key = (step_function.__name__, steps)
+        if key not in self._closures:
+            self._closures[key] = self._make_closure(step_function, steps)
+        return self._closures[key]
+
+    def _make_closure(self, step_function, steps):
+        strategy = self.strategy
+
+        @tf.function
+        def closure(iterator, worker):
+            start = tf.timestamp()
+            rows = tf.constant(0, tf.int64)
+            logs = None
+            for _ in range(steps):
+                data = next(iterator)
+                x, _, _ = _compat.unpack_x_y_sample_weight(data)
+                leaves = [t for t in tf.nest.flatten(x) if t is not None]
+                rows += tf.cast(tf.shape(leaves[0])[0], tf.int64)
+                with _distribute.parameter_server_worker(worker):
+                    logs = strategy.run(step_function, args=(data,))
+            logs = tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0], logs
+            )
+            with tf.control_dependencies(tf.nest.flatten(logs)):
+                seconds = tf.timestamp() - start
+            return logs, worker, rows, seconds
+
+        return closure
+
+    def _schedule(self, closure, iterator):
+        with self.strategy.scope():
+            return self.coordinator.schedule(
+                closure, args=(iterator, self.worker_ids)
+            )
+
+    def _collect(self, pending, keep, steps_of):
+        """Fetches all but the newest `keep` scheduled closures.
+
+        Returns:
+            The newest fetched logs (numpy), or None if none was fetched.
+        """
+        results, logs = [], None
+        while len(pending) > keep:
+            remote, steps = pending.popleft(), steps_of.popleft()
+            try:
+                logs, worker, rows, seconds = remote.fetch()
+            except _WORKER_GONE:
+                # The step ran (its update is on the parameter servers), but
+                # its outputs stayed on a worker that has since failed.
+                self.telemetry.unattributed_steps += steps
+                continue
+            results.append((int(worker), int(rows), float(seconds), steps))
+        self.telemetry.add(results)
+        return logs
+
+    # --- fit / evaluate -------------------------------------------------
+
+    def fit(
+        self,
+        x,
+        *,
+        epochs=1,
+        steps_per_epoch=None,
+        callbacks=None,
+        verbose=1,
+        initial_epoch=0,
+        initial_step=0,
+        validation_data=None,
+        validation_steps=None,
+        validation_freq=1,
+    ):
+        """Like `keras.Model.fit`; see `HeteroModel.fit`."""
+        model = self.model
+        verbose = 1 if verbose == "auto" else verbose
+        steps_per_epoch = _steps(x, steps_per_epoch, "steps_per_epoch")
+        if validation_data is not None:
+            validation_steps = _steps(
+                validation_data, validation_steps, "validation_steps"
+            )
+        iterator = self.per_worker_iterator(x)
+        per_call = max(int(_compat.steps_per_execution(model)), 1)
+        callback_list = keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            model=model,
+            verbose=verbose,
+            epochs=epochs,
+            steps=steps_per_epoch,
+        )
+        # A few closures stay in flight so the workers never wait for the
+        # coordinator; older ones are collected (they are done by then).
+        in_flight = 2 * self.num_workers
+        model.stop_training = False
+        self.telemetry.reset()
+        callback_list.on_train_begin()
+        epoch_logs = {}
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            pending, steps_of = collections.deque(), collections.deque()
+            # A resumed fit (ElasticCheckpoint) starts inside its epoch.
+            step = initial_step if epoch == initial_epoch else 0
+            while step < steps_per_epoch:
+                steps = min(per_call, steps_per_epoch - step)
+                callback_list.on_train_batch_begin(step)
+                pending.append(
+                    self._schedule(
+                        self._closure(model.train_step, steps), iterator
+                    )
+                )
+                steps_of.append(steps)
+                step += steps
+                logs = self._collect(pending, in_flight, steps_of)
+                callback_list.on_train_batch_end(
+                    step - 1, _python(logs) if logs is not None else {}
+                )
+                if model.stop_training:
+                    break
+            self.coordinator.join()
+            self._collect(pending, 0, steps_of)
+            epoch_logs = _python(model.get_metrics_result())
+            if validation_data is not None and _due(epoch, validation_freq):
+                results = self.evaluate(
+                    validation_data, steps=validation_steps, verbose=0
+                )
+                epoch_logs.update({f"val_{k}": v for k, v in results.items()})
+            callback_list.on_epoch_end(epoch, epoch_logs)
+            if model.stop_training:
+                break
+        callback_list.on_train_end(epoch_logs)
+        return model.history
+
+    def evaluate(self, x, *, steps=None, callbacks=None, verbose=1):
+        """Like `keras.Model.evaluate`; returns the metrics as a dict."""
+        model = self.model
+        verbose = 1 if verbose == "auto" else verbose
+        steps = _steps(x, steps, "steps")
+        iterator = self.per_worker_iterator(x)
+        callback_list = keras.callbacks.CallbackList(
+            callbacks,
+            add_progbar=verbose != 0,
+            model=model,
+            verbose=verbose,
+            epochs=1,
+            steps=steps,
+        )
+        model.reset_metrics()
+        callback_list.on_test_begin()
+        closure = self._closure(model.test_step, 1)
+        pending = []
+        for step in range(steps):
+            callback_list.on_test_batch_begin(step)
+            pending.append(self._schedule(closure, iterator))
+            callback_list.on_test_batch_end(step, {})
+        self.coordinator.join()
+        for remote in pending:
+            remote.fetch()  # raises if a step failed for good
+        logs = _python(model.get_metrics_result())
+        callback_list.on_test_end(logs)
+        return logs
+
+    def predict(self, x, *, batch_size=None, steps=None):
+        """Predictions computed on the coordinator, batch by batch.
+
+        The workers run scheduled training closures; prediction needs every
+        output back in order, so it runs where the outputs are wanted,
+        reading the variables from the parameter servers.
+
+        Args:
+            x: Inputs: arrays, tensors, or a batched `tf.data.Dataset` (of
+                inputs, or of `(inputs, ...)` tuples).
+            batch_size: Rows per batch for arrays. Defaults to 32.
+            steps: Batches to predict, all if None.
+
+        Returns:
+            The outputs, concatenated along the batch axis (numpy).
+        """
+        model = self.model
+        if isinstance(x, tf.data.Dataset):
+            dataset = x
+        else:
+            dataset = tf.data.Dataset.from_tensor_slices(x).batch(
+                batch_size or 32
+            )
+        if steps is not None:
+            dataset = dataset.take(steps)
+
+        @tf.function
+        def forward(batch):
+            return model(batch, training=False)
+
+        outputs = []
+        for batch in dataset:
+            if isinstance(batch, tuple):  # (inputs, targets, ...)
+                batch = batch[0]
+            outputs.append(tf.nest.map_structure(np.asarray, forward(batch)))
+        if not outputs:
+            raise ValueError(
+                "`predict` received no data under ParameterServerStrategy."
+            )
+        return tf.nest.map_structure(
+            lambda *parts: np.concatenate(parts), *outputs
+        )
+
+
+def _worker_ids(coordinator):
+    """A `PerWorkerValues` holding each worker's index, on that worker.
+
+    Uses the coordinator's private per-worker `create_resource`: the public
+    API only builds identical per-worker values (datasets), and under
+    ParameterServerStrategy every worker's input context says pipeline 0.
+    A resource is re-created when its worker restarts.
+    """
+    from tensorflow.python.distribute.coordinator import values
+
+    @tf.function
+    def make(index):
+        return tf.identity(index)
+
+    return values.PerWorkerValues(
+        tuple(
+            worker.create_resource(
+                make, args=(tf.constant(worker.worker_index, tf.int32),)
+            )
+            for worker in coordinator._cluster.workers
+        )
+    )
+
+
+def _with_input_context(dataset_fn):
+    """`dataset_fn(input_context)`, also for a function that takes none."""
+    try:
+        parameters = inspect.signature(dataset_fn).parameters
+    except (TypeError, ValueError):
+        return dataset_fn
+    if not parameters:
+        return lambda context: dataset_fn()
+    return dataset_fn
+
+
+def _steps(x, steps, name):
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Received: "
+                f"{name}={steps!r}. Expected an integer >= 1."
+            )
+        return steps
+    if isinstance(x, tf.data.Dataset):
+        count = int(x.cardinality())
+        if count > 0:
+            return count
+    raise ValueError(
+        f"Under ParameterServerStrategy `{name}` is required: each worker "
+        "reads its own repeated copy of the data, so there is no end to "
+        f"find. Pass `{name}=` (steps over all workers together)."
+    )
+
+
+def _due(epoch, frequency):
+    if isinstance(frequency, int):
+        return (epoch + 1) % frequency == 0
+    return (epoch + 1) in frequency
+
+
+def _python(logs):
+    return {key: float(np.asarray(value)) for key, value in dict(logs).items()}

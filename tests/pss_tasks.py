@@ -1,0 +1,238 @@
+"""What the coordinator process of a ParameterServerStrategy test runs.
+
+Module-level functions (picklable for `spawn`); each builds the strategy
+from the cluster, runs one scenario and returns plain data.
+"""
+
+import os
+
+
+def run(task, cluster, queue, events, args):
+    """Runs `task` and reports `("ok", value)` or `("error", text)`."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    try:
+        queue.put(("ok", globals()[task](cluster, events, *args)))
+    except BaseException as error:  # report, never hang the test
+        import traceback
+
+        queue.put(("error", f"{error!r}\n{traceback.format_exc()}"))
+
+
+def _strategy(cluster):
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), rpc_layer="grpc"
+    )
+    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+def _batched(input_context):
+    """Each worker's own repeated copy of the examples, in batches of 8."""
+    import helpers
+
+    batch = input_context.get_per_replica_batch_size(8)
+    return helpers.examples().shuffle(72, seed=1).batch(batch)
+
+
+def _model(strategy, slow=None, steps_per_execution=1):
+    import helpers
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    with strategy.scope():
+        inputs = keras.Input((helpers.FEATURES,))
+        hidden = inputs
+        if slow is not None:
+            hidden = kh.testing.SimulatedSpeed(slow)(hidden)
+        hidden = keras.layers.Dense(4, activation="tanh")(hidden)
+        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss="mse",
+            metrics=["mae"],
+            steps_per_execution=steps_per_execution,
+        )
+    return model
+
+
+def fit_evaluate_save(cluster, events, directory):
+    """fit (2 epochs of 5 steps, then steps_per_execution=2), evaluate,
+    save and load; per-worker telemetry."""
+    import helpers
+    import numpy as np
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = _strategy(cluster)
+    model = _model(strategy)
+    before = model.evaluate(_batched, steps=9, return_dict=True, verbose=0)
+    history = model.fit(_batched, epochs=2, steps_per_epoch=10, verbose=0)
+    stats = model.step_stats
+    per_worker = model._hetero.parameter_server.telemetry.steps_per_worker
+    evaluation = model.evaluate(_batched, steps=9, return_dict=True, verbose=0)
+    as_list = model.evaluate(_batched, steps=2, verbose=0)
+    x, _, _, _ = helpers.arrays(rows=8)
+    path = os.path.join(directory, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    twice = _model(strategy, steps_per_execution=2)
+    twice.fit(_batched, epochs=1, steps_per_epoch=6, verbose=0)
+    return {
+        "loss": history.history["loss"],
+        "mae": history.history["mae"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "before": before,
+        "evaluation": evaluation,
+        "as_list": as_list,
+        "devices": stats.devices,
+        "steps_per_worker": per_worker.tolist(),
+        "loaded_predictions": np.asarray(loaded(x)).tolist(),
+        "model_predictions": np.asarray(model(x)).tolist(),
+        "predict": model.predict(x, batch_size=3, verbose=0).tolist(),
+        "loaded_type": type(loaded).__name__,
+        "twice_iterations": int(twice.optimizer.iterations.numpy()),
+        "flavour": kh.FLAVOUR,
+    }
+
+
+def slow_worker(cluster, events):
+    """Worker 1 is 20x slower (simulated): flagged, and does fewer steps."""
+    import keras_hetero as kh
+
+    strategy = _strategy(cluster)
+    model = _model(
+        strategy,
+        slow={"/job:worker/task:0": 0.0005, "/job:worker/task:1": 0.01},
+    )
+    detector = kh.callbacks.StragglerDetector(window=5, patience=2)
+    model.fit(
+        _batched, epochs=1, steps_per_epoch=60, verbose=0, callbacks=[detector]
+    )
+    telemetry = model._hetero.parameter_server.telemetry
+    per_worker = telemetry.steps_per_worker
+    return {
+        "seconds_per_worker": telemetry.seconds_per_worker.tolist(),
+        "events": [
+            (e.kind, e.worker, e.replica, e.device, e.relative_score)
+            for e in detector.events
+        ],
+        "steps_per_worker": per_worker.tolist(),
+    }
+
+
+def killed_worker(cluster, events):
+    """At step 8 asks the test to kill and restart worker 1; fit goes on,
+    and in epoch 2 the restarted worker takes steps again."""
+    import time
+
+    import numpy as np
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = _strategy(cluster)
+    model = _model(strategy, slow=0.001)
+
+    telemetry = {}
+
+    class AskForKill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 7 and not telemetry:
+                events.put("kill")
+                events.get(timeout=60)  # worker 1 killed
+                telemetry["at_kill"] = runner.telemetry.steps_per_worker.copy()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                events.get(timeout=120)  # worker 1 is listening again
+                time.sleep(3)  # the coordinator reconnects to it
+
+    runner = model._parameter_server()
+    history = model.fit(
+        _batched,
+        epochs=2,
+        steps_per_epoch=15,
+        verbose=0,
+        callbacks=[AskForKill()],
+    )
+    after_kill = runner.telemetry.steps_per_worker - telemetry["at_kill"]
+    telemetry = runner.telemetry
+    return {
+        "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "steps_per_worker": telemetry.steps_per_worker.tolist(),
+        "unattributed_steps": telemetry.unattributed_steps,
+        "after_kill": after_kill.tolist(),
+        "finite": bool(
+            all(np.all(np.isfinite(w)) for w in model.get_weights())
+        ),
+        "flavour": kh.FLAVOUR,
+    }
+
+
+def checkpoint_resume(cluster, events, directory):
+    """Stops after step 6 (the checkpoint saves it); a fresh model resumes
+    there: epoch 0 step 6, the saved weights and optimizer step."""
+    import numpy as np
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = _strategy(cluster)
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                self.model.stop_training = True
+
+    first = _model(strategy)
+    first.fit(
+        _batched,
+        epochs=2,
+        steps_per_epoch=10,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(directory, save_every=4),
+            StopAt(),
+        ],
+    )
+    saved = [np.array(w) for w in first.get_weights()]
+    restored = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            restored["weights"] = [
+                np.array(w) for w in self.model.get_weights()
+            ]
+            restored["iterations"] = int(
+                self.model.optimizer.iterations.numpy()
+            )
+
+        def on_train_batch_begin(self, batch, logs=None):
+            restored.setdefault("first_batch", batch)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            restored.setdefault("first_epoch", epoch)
+
+    second = _model(strategy)
+    checkpoint = kh.callbacks.ElasticCheckpoint(directory, save_every=4)
+    second.fit(
+        _batched,
+        epochs=2,
+        steps_per_epoch=10,
+        verbose=0,
+        callbacks=[checkpoint, Probe()],
+    )
+    return {
+        "same_weights": all(
+            np.array_equal(a, b) for a, b in zip(saved, restored["weights"])
+        ),
+        "restored_iterations": restored["iterations"],
+        "first_epoch": restored["first_epoch"],
+        "first_batch": restored["first_batch"],
+        "final_iterations": int(second.optimizer.iterations.numpy()),
+        "restored_from": str(checkpoint.restored_from),
+    }
