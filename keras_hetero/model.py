@@ -189,7 +189,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def step_stats(self):
         """`kh.StepStats` of the last executed train step(s), or None.
 
-        None before the first train step and under ParameterServerStrategy.
+        None before the first train step. Under ParameterServerStrategy one
+        entry per worker (see docs/strategies.md).
         """
         hetero = self.__dict__.get("_hetero")
         if hetero is None or hetero.telemetry is None:
