@@ -43,6 +43,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rebalance.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/precision.py
+	$(BIN)/python benchmarks/input.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

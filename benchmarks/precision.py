@@ -79,7 +79,7 @@ def main():
     initial = models[None].get_weights()
     medians = {name: [] for name in settings}
     losses = {}
-    for round_index in range(args.rounds):
+    for _ in range(args.rounds):
         for name in settings:
             model = models[name]
             model.set_weights(initial)

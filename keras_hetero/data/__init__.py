@@ -1,8 +1,15 @@
 """Input: global batches split across replicas by moving shares."""
 
+from keras_hetero.data.arrow import from_arrow
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import shard
 from keras_hetero.data.shares import rows_from_shares
 from keras_hetero.data.shares import validate_shares
 
-__all__ = ["HeteroDataset", "rows_from_shares", "shard", "validate_shares"]
+__all__ = [
+    "HeteroDataset",
+    "from_arrow",
+    "rows_from_shares",
+    "shard",
+    "validate_shares",
+]
