@@ -117,7 +117,7 @@ def main():
         print(
             f"| {name or 'none'} | {sent:,} | {sent / base_bytes:.3f} | "
             f"{1000 * step:.1f} ms | {step / base_time:.3f} | "
-            f"{losses[name]:.5f} | {100 * difference:+.3f}% |"
+            f"{losses[name]:.6f} | {100 * difference:+.4f}% |"
         )
 
 
