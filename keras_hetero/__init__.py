@@ -8,6 +8,8 @@ from keras_hetero import callbacks
 from keras_hetero import checkpointing
 from keras_hetero import data
 from keras_hetero import launcher
+from keras_hetero import layers
+from keras_hetero import placement
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
 from keras_hetero.model import HeteroModel
@@ -25,5 +27,7 @@ __all__ = [
     "checkpointing",
     "data",
     "launcher",
+    "layers",
+    "placement",
     "testing",
 ]

@@ -1,0 +1,563 @@
+"""`plan`: split a chain of layers into stages, one per (unequal) device.
+
+Each top-level layer gets a cost (seconds of forward + backward work on a
+speed-1.0 device for one batch), a memory need and the bytes of its output
+activations. A stage is a contiguous run of layers on one device; its time is
+its cost divided by the device's speed plus the time to receive its input
+activations. An exact dynamic program over the split points picks the split
+with the smallest slowest stage (the pipeline's bottleneck) that fits every
+device's memory. The search is pure Python (`partition`), testable without
+TensorFlow; `plan` adapts it to a Keras model.
+"""
+
+import dataclasses
+import math
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+# A speed-1.0 device's rate for estimated costs, and the link between
+# devices (about PCIe 4.0 x16 in practice).
+DEFAULT_FLOPS_PER_SECOND = 1e11
+DEFAULT_BANDWIDTH = 1e10
+# Training keeps weights, their gradients and two optimizer slots (Adam).
+PARAMETER_COPIES = 4
+# Backward costs about twice the forward pass.
+TRAINING_FLOP_FACTOR = 3
+
+
+class Stage(NamedTuple):
+    """One stage of a `Plan`: a device and the layers it runs, in order."""
+
+    device: str
+    layers: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A split of a model's layers into stages, one per device.
+
+    Attributes:
+        stages: `Stage(device, [layer names])` per device, in order.
+        stage_seconds: Estimated seconds per stage and batch: compute on
+            that device plus receiving the stage's input activations.
+        stage_memory: Estimated bytes each stage needs on its device.
+        device_memory: Each device's memory limit in bytes, or None.
+        device_speeds: Each device's relative speed.
+    """
+
+    stages: list
+    stage_seconds: list
+    stage_memory: list
+    device_memory: list
+    device_speeds: list
+
+    @property
+    def bottleneck(self):
+        """Index of the slowest stage (the pipeline's pace)."""
+        return int(np.argmax(self.stage_seconds))
+
+    @property
+    def bottleneck_seconds(self):
+        """Estimated seconds of the slowest stage."""
+        return max(self.stage_seconds)
+
+    @property
+    def total_seconds(self):
+        """Estimated seconds for one batch through all stages in turn."""
+        return sum(self.stage_seconds)
+
+    def apply(self, model):
+        """Writes each stage's device hint onto the model's layers.
+
+        In place (`kh.layers.hint`): from the next trace on, every layer's
+        forward and backward passes run on its stage's device, and the
+        activations move between stages. The weights stay where they were
+        created; for weights that live on their stage's devices, and hints
+        that are saved with the model, use `kh.layers.place(model,
+        plan.hints())`, which returns a copy of `Placed` layers.
+
+        Args:
+            model: The model this plan was made for.
+
+        Returns:
+            `model` (so `model = plan.apply(model)` reads naturally).
+
+        Raises:
+            ValueError: If `model`'s layers are not the planned ones.
+
+        Example:
+
+        >>> plan(model, ["/cpu:0", "/cpu:1"]).apply(model)
+        """
+        from keras_hetero import layers as layers_lib
+
+        layers = chain_layers(model)
+        names = [layer.name for layer in layers]
+        planned = [name for stage in self.stages for name in stage.layers]
+        if names != planned:
+            raise ValueError(
+                "Invalid value for argument `model`. Received: a model with "
+                f"layers {names}. Expected the planned layers {planned}."
+            )
+        hints = self.hints()
+        for layer in layers:
+            layers_lib.hint(layer, **hints[layer.name])
+        # Keras keeps traced step functions: trace again with the hints.
+        for attribute in (
+            "train_function",
+            "test_function",
+            "predict_function",
+        ):
+            if getattr(model, attribute, None) is not None:
+                setattr(model, attribute, None)
+        return model
+
+    def hints(self):
+        """`{layer name: {"device": ..., "stage": ...}}` of this plan.
+
+        Returns:
+            A dict, usable with `kh.layers.place(model, plan.hints())`.
+        """
+        return {
+            name: {"device": stage.device, "stage": index}
+            for index, stage in enumerate(self.stages)
+            for name in stage.layers
+        }
+
+    def summary(self):
+        """A text table of the stages; `*` marks the bottleneck.
+
+        Returns:
+            The table as a string.
+
+        Example:
+
+        >>> print(plan(model, ["/cpu:0", "/cpu:1"]).summary())
+        """
+        rows = [("stage", "device", "speed", "layers", "ms", "memory MiB")]
+        for index, stage in enumerate(self.stages):
+            mark = "*" if index == self.bottleneck else ""
+            limit = self.device_memory[index]
+            memory = f"{self.stage_memory[index] / 2**20:.2f}"
+            if limit is not None:
+                memory += f" / {limit / 2**20:.2f}"
+            rows.append(
+                (
+                    f"{index}{mark}",
+                    stage.device,
+                    f"{self.device_speeds[index]:g}",
+                    _layer_list(stage.layers),
+                    f"{self.stage_seconds[index] * 1e3:.4g}",
+                    memory,
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths))
+            for row in rows
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append(
+            f"bottleneck: stage {self.bottleneck} "
+            f"({self.bottleneck_seconds * 1e3:.4g} ms per batch); "
+            f"all stages in turn: {self.total_seconds * 1e3:.4g} ms"
+        )
+        return "\n".join(lines)
+
+
+def plan(
+    model,
+    devices,
+    device_speeds=None,
+    device_memory=None,
+    layer_costs=None,
+    *,
+    batch_size=32,
+    profile=False,
+    bandwidth=DEFAULT_BANDWIDTH,
+    flops_per_second=DEFAULT_FLOPS_PER_SECOND,
+):
+    """Splits a chain model's layers into one contiguous stage per device.
+
+    Each top-level layer's cost is, by default, estimated from its weights
+    and output shape (multiply-adds of a dense or convolutional layer, one
+    operation per output element otherwise, times 3 for forward + backward)
+    at `flops_per_second` on a speed-1.0 device; `profile=True` times each
+    layer's forward and backward pass on this machine instead, and
+    `layer_costs` gives them outright. Memory per layer is 4 copies of its
+    weights (weights, gradients, two optimizer slots) plus its output
+    activations for `batch_size` rows. The split minimises the slowest
+    stage's time (cost / speed + its input activations' bytes / `bandwidth`)
+    subject to every device's memory, exactly (dynamic programming over the
+    split points, O(layers^2 * devices)).
+
+    Args:
+        model: A `keras.Sequential` or functional model with one input and
+            one output whose top-level layers form a chain.
+        devices: Device names, one stage each, in pipeline order. Every
+            device gets at least one layer.
+        device_speeds: Relative speed per device (2.0 = twice as fast).
+            Defaults to `None` (all 1.0).
+        device_memory: Bytes available per device; `None` (or a `None`
+            entry) for no limit. Defaults to `None`.
+        layer_costs: `{layer name: seconds on a speed-1.0 device}` for every
+            layer; given, nothing is estimated or profiled. Defaults to
+            `None`.
+        batch_size: Rows per batch for activation sizes, FLOPs and
+            profiling. Defaults to `32`.
+        profile: Time each layer on this machine (random inputs, median of
+            a few runs) instead of estimating FLOPs. Defaults to `False`.
+        bandwidth: Bytes per second between consecutive devices. Defaults
+            to `1e10`.
+        flops_per_second: Speed of a speed-1.0 device for estimated costs.
+            Defaults to `1e11`.
+
+    Returns:
+        A `Plan`.
+
+    Raises:
+        ValueError: If the model is not a chain; if `devices` is empty or
+            has more entries than the model has layers; if `device_speeds`,
+            `device_memory` or `layer_costs` do not match; or if no split
+            fits the memory (the message names the device short of memory
+            and by how many bytes, for the split that needs the least).
+
+    Example:
+
+    >>> model = keras.Sequential(
+    ...     [keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(4)]
+    ... )
+    >>> plan(model, ["/cpu:0", "/cpu:1"], device_speeds=[1.0, 2.0]).stages
+    """
+    chain = _chain(model)
+    layers = [layer for layer, _ in chain]
+    names = [layer.name for layer in layers]
+    devices = list(devices)
+    if not devices or len(devices) > len(layers):
+        raise ValueError(
+            f"Invalid value for argument `devices`. Received: "
+            f"devices={devices!r}. Expected 1 to {len(layers)} device names "
+            f"(one stage each, and the model has {len(layers)} layers)."
+        )
+    speeds = _per_device("device_speeds", device_speeds, devices, 1.0)
+    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
+        raise ValueError(
+            "Invalid value for argument `device_speeds`. Received: "
+            f"device_speeds={device_speeds!r}. Expected positive numbers."
+        )
+    memory = [
+        None if m is None else int(m)
+        for m in _per_device("device_memory", device_memory, devices, None)
+    ]
+    outputs = [_output_bytes(output, batch_size) for _, output in chain]
+    if layer_costs is not None:
+        missing = sorted(set(names) - set(layer_costs))
+        if missing:
+            raise ValueError(
+                "Invalid value for argument `layer_costs`. Received: no "
+                f"cost for layers {missing}. Expected seconds for every "
+                f"layer of {names}."
+            )
+        costs = [float(layer_costs[name]) for name in names]
+    elif profile:
+        costs = _profiled_seconds(model, layers, batch_size)
+    else:
+        costs = [
+            TRAINING_FLOP_FACTOR
+            * _flops(layer, output, batch_size)
+            / flops_per_second
+            for layer, output in chain
+        ]
+    layer_memory = [
+        PARAMETER_COPIES * _weight_bytes(layer) + outputs[i]
+        for i, layer in enumerate(layers)
+    ]
+    input_seconds = [0.0] + [b / bandwidth for b in outputs[:-1]]
+    bounds = partition(
+        costs, layer_memory, input_seconds, speeds, memory, names=devices
+    )
+    stages, seconds, needs = [], [], []
+    for index, (start, end) in enumerate(bounds):
+        stages.append(Stage(devices[index], names[start:end]))
+        seconds.append(
+            _stage_seconds(costs, input_seconds, speeds[index], start, end)
+        )
+        needs.append(int(sum(layer_memory[start:end])))
+    return Plan(
+        stages=stages,
+        stage_seconds=seconds,
+        stage_memory=needs,
+        device_memory=memory,
+        device_speeds=speeds,
+    )
+
+
+def partition(costs, memory, input_seconds, speeds, capacity, names=None):
+    """The exact min-max split of a chain of layers over devices in order.
+
+    Pure Python: stage `d` runs layers `[start, end)` on device `d` and
+    takes `sum(costs[start:end]) / speeds[d] + input_seconds[start]`; its
+    memory is `sum(memory[start:end])`, at most `capacity[d]` (None = no
+    limit). Every device gets at least one layer.
+
+    Args:
+        costs: Seconds per layer on a speed-1.0 device.
+        memory: Bytes per layer.
+        input_seconds: Seconds to receive each layer's input from another
+            device (the first layer's is usually 0).
+        speeds: Relative speed per device.
+        capacity: Bytes per device, or None for no limit.
+        names: Device names for the error message. Defaults to `None`
+            (device indices).
+
+    Returns:
+        `[(start, end), ...]`, one per device, minimising the largest stage
+        time (ties: the earliest split points).
+
+    Raises:
+        ValueError: If no split fits the memory; the message names, for the
+            split that needs the least extra memory in total, each device
+            that lacks memory and by how many bytes.
+
+    Example:
+
+    >>> partition([1, 1, 1, 1], [0] * 4, [0] * 4, [1, 1], [None, None])
+    [(0, 2), (2, 4)]
+    """
+    layers, devices = len(costs), len(speeds)
+    cost_sums = np.concatenate([[0.0], np.cumsum(costs, dtype=float)])
+    memory_sums = np.concatenate([[0.0], np.cumsum(memory, dtype=float)])
+
+    def stage_memory(start, end):
+        return memory_sums[end] - memory_sums[start]
+
+    def stage_time(device, start, end):
+        if capacity[device] is not None and (
+            stage_memory(start, end) > capacity[device]
+        ):
+            return math.inf
+        work = (cost_sums[end] - cost_sums[start]) / speeds[device]
+        return work + input_seconds[start]
+
+    bounds = _dynamic_program(layers, devices, stage_time, max)
+    if bounds is not None:
+        return bounds
+
+    def shortfall(device, start, end):
+        limit = capacity[device]
+        return (
+            0.0 if limit is None else max(0.0, stage_memory(start, end) - limit)
+        )
+
+    closest = _dynamic_program(layers, devices, shortfall, _add)
+    labels = names or [f"device {d}" for d in range(devices)]
+    short = [
+        f"{labels[d]} lacks {math.ceil(shortfall(d, s, e))} bytes (needs "
+        f"{int(stage_memory(s, e))}, has {int(capacity[d])})"
+        for d, (s, e) in enumerate(closest)
+        if shortfall(d, s, e) > 0
+    ]
+    raise ValueError(
+        "No split of the layers fits the devices' memory "
+        f"(device_memory={list(capacity)}). With the split that needs the "
+        f"least extra memory, {'; '.join(short)}. Add memory there, use "
+        "more devices, or shrink the batch or the model."
+    )
+
+
+def chain_layers(model):
+    """The top-level layers of `model`, which must form a chain.
+
+    Args:
+        model: A `keras.Sequential` or functional model.
+
+    Returns:
+        The layers in order, input layers excluded.
+
+    Raises:
+        ValueError: If the model has several inputs or outputs, a layer is
+            used more than once, or a layer's input is not the previous
+            layer's output (a branch or skip connection).
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> [layer.name for layer in chain_layers(model)]
+    """
+    return [layer for layer, _ in _chain(model)]
+
+
+def _chain(model):
+    """`[(layer, its output in model)]` of a chain model (see chain_layers)."""
+    import tensorflow as tf
+
+    from keras_hetero._compat import keras
+
+    try:
+        inputs, outputs = model.inputs, model.outputs
+    except (AttributeError, ValueError):
+        inputs = outputs = None
+    if not inputs or not outputs or len(inputs) != 1 or len(outputs) != 1:
+        raise ValueError(
+            "Invalid value for argument `model`. Received: "
+            f"model={model.name!r} with inputs {inputs} and outputs "
+            f"{outputs}. Expected a Sequential or functional model with one "
+            "symbolic input and one output (start a Sequential model with "
+            "`keras.Input(...)`)."
+        )
+    layers = [
+        layer
+        for layer in model.layers
+        if not isinstance(layer, keras.layers.InputLayer)
+    ]
+    tensor, chain = inputs[0], []
+    for layer in layers:
+        # The layer's call on `tensor` (a layer may also be used by other
+        # models; those calls are other nodes).
+        follows = [
+            node
+            for node in getattr(layer, "_inbound_nodes", None) or []
+            if len(tf.nest.flatten(node.input_tensors)) == 1
+            and tf.nest.flatten(node.input_tensors)[0] is tensor
+            and len(tf.nest.flatten(node.output_tensors)) == 1
+        ]
+        if len(follows) != 1:
+            raise ValueError(
+                f"Model {model.name!r} is not a chain of layers: layer "
+                f"{layer.name!r} does not take exactly the previous layer's "
+                "output. The planner splits a sequence of layers into "
+                "contiguous stages; for a model with branches, skip "
+                "connections or shared layers, wrap each branching block in "
+                "its own model (one layer of the chain) or place layers by "
+                "hand with `kh.layers.Placed`."
+            )
+        tensor = tf.nest.flatten(follows[0].output_tensors)[0]
+        chain.append((layer, tensor))
+    if tensor is not outputs[0]:
+        raise ValueError(
+            f"Model {model.name!r} is not a chain of layers: its output is "
+            "not its last layer's output."
+        )
+    return chain
+
+
+def _dynamic_program(layers, devices, stage_value, combine):
+    """Split points minimising `combine` over stages of `stage_value(d, s, e)`.
+
+    Returns None when every split is infinite (infeasible).
+    """
+    best = np.full((devices + 1, layers + 1), math.inf)
+    choice = np.zeros((devices + 1, layers + 1), dtype=int)
+    best[0][0] = 0.0
+    for device in range(1, devices + 1):
+        # Every earlier device holds at least one layer, every later one too.
+        for end in range(device, layers - (devices - device) + 1):
+            for start in range(device - 1, end):
+                before = best[device - 1][start]
+                if before == math.inf:
+                    continue
+                value = combine(before, stage_value(device - 1, start, end))
+                if value < best[device][end]:
+                    best[device][end] = value
+                    choice[device][end] = start
+    if best[devices][layers] == math.inf:
+        return None
+    bounds, end = [], layers
+    for device in range(devices, 0, -1):
+        start = int(choice[device][end])
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def _add(a, b):
+    return a + b
+
+
+def _stage_seconds(costs, input_seconds, speed, start, end):
+    return sum(costs[start:end]) / speed + input_seconds[start]
+
+
+def _per_device(name, values, devices, default):
+    if values is None:
+        return [default] * len(devices)
+    values = list(values)
+    if len(values) != len(devices):
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: {name}="
+            f"{values!r}. Expected one entry per device ({len(devices)})."
+        )
+    return [None if v is None else float(v) for v in values]
+
+
+def _shape(tensor, batch_size):
+    return [batch_size if d is None else int(d) for d in tensor.shape]
+
+
+def _itemsize(dtype):
+    import tensorflow as tf
+
+    return tf.as_dtype(dtype).size
+
+
+def _output_bytes(output, batch_size):
+    return int(np.prod(_shape(output, batch_size)) * _itemsize(output.dtype))
+
+
+def _weight_bytes(layer):
+    return int(
+        sum(
+            np.prod(w.shape) * _itemsize(w.dtype)
+            for w in layer.trainable_weights
+        )
+    )
+
+
+def _flops(layer, output, batch_size):
+    """Forward floating-point operations of `layer` for `batch_size` rows."""
+    shape = _shape(output, batch_size)
+    elements = int(np.prod(shape))
+    weights = sum(int(np.prod(w.shape)) for w in layer.trainable_weights)
+    if weights == 0:
+        return float(elements)
+    # A multiply-add per weight at every output position (a dense layer
+    # has one per row, a convolution one per row and pixel).
+    positions = elements // max(shape[-1], 1)
+    return 2.0 * weights * positions
+
+
+def _profiled_seconds(model, layers, batch_size, repeats=5):
+    """Median seconds of each layer's forward + backward on this machine."""
+    import tensorflow as tf
+
+    spec = model.inputs[0]
+    shape = _shape(spec, batch_size)
+    if tf.as_dtype(spec.dtype).is_floating:
+        values = tf.random.normal(shape, dtype=spec.dtype)
+    else:
+        values = tf.zeros(shape, dtype=spec.dtype)
+    seconds = []
+    for layer in layers:
+        timings = []
+        for _ in range(repeats + 1):  # the first run traces and warms up
+            start = time.perf_counter()
+            with tf.GradientTape() as tape:
+                tape.watch(values)
+                outputs = layer(values, training=True)
+                loss = tf.reduce_sum(tf.cast(outputs, tf.float32))
+            sources = list(layer.trainable_weights)
+            if values.dtype.is_floating:
+                sources.append(values)
+            if sources:
+                tape.gradient(loss, sources)
+            timings.append(time.perf_counter() - start)
+        seconds.append(float(np.median(timings[1:])))
+        values = tf.stop_gradient(outputs)
+    return seconds
+
+
+def _layer_list(names, width=40):
+    text = ", ".join(names)
+    return text if len(text) <= width else text[: width - 3] + "..."
