@@ -29,6 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
+from keras_hetero import _compat  # noqa: E402
 from keras_hetero import aggregation  # noqa: E402
 
 GLOBAL_BATCH = 64
@@ -68,6 +69,11 @@ def data(strategy, steps):
     )
 
 
+def _optimizer_variables(model):
+    found = model.optimizer.variables
+    return list(found() if callable(found) else found)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
@@ -77,15 +83,24 @@ def main():
     settings = (None, "fp16", "bf16")
     models = {name: build(strategy, name) for name in settings}
     initial = models[None].get_weights()
+    # Every run starts from the same weights and optimizer state (its
+    # iterations, momentum and learning rate as built).
+    for model in models.values():
+        _compat.build_optimizer(model)
+    fresh = {
+        name: [np.array(v.numpy()) for v in _optimizer_variables(model)]
+        for name, model in models.items()
+    }
     medians = {name: [] for name in settings}
     losses = {}
     for _ in range(args.rounds):
         for name in settings:
             model = models[name]
             model.set_weights(initial)
-            slots = model.optimizer.variables
-            for variable in slots() if callable(slots) else slots:
-                variable.assign(np.zeros(variable.shape, variable.dtype))
+            for variable, value in zip(
+                _optimizer_variables(model), fresh[name]
+            ):
+                variable.assign(value)
             timer = kh.testing.StepTimer()
             history = model.fit(
                 data(strategy, args.steps), verbose=0, callbacks=[timer]

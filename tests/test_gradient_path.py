@@ -137,13 +137,6 @@ def test_overflow_in_one_micro_step_skips_the_whole_update(mixed_float16):
     assert all(np.all(np.isfinite(w)) for w in history[5][3])
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def _collectives(timeout):
     """`(dtype, communication_hint)` of every all-reduce op traced so far
     whose timeout is `timeout` (a value unique to the calling test)."""

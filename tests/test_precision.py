@@ -12,13 +12,6 @@ from keras_hetero import precision
 from keras_hetero._compat import keras
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_inf_on_one_replica_skips_the_step_everywhere(mixed_float16):
     strategy = helpers.mirrored(DEVICES[:2])
     armed = [False]
