@@ -16,6 +16,7 @@ Both are in (0, 1]; 1 is "as fast as it gets".
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -172,3 +173,119 @@ def evaluate(state, *, threshold, patience):
         state.readings, state.seen, baseline, below, above, flagged
     )
     return new_state, changes
+
+
+class Scorer:
+    """`add_reading` + `evaluate` in one call, on plain Python floats.
+
+    The same arithmetic as the numpy functions above (a test checks that
+    both give the same states and changes), without numpy's per-call cost
+    on arrays of a handful of replicas: `StragglerDetector` runs it every
+    step. Mutable; convert with `state()` / `from_state()`.
+
+    Args:
+        num_replicas: Replicas scored.
+        window: Readings the median covers.
+
+    Example:
+
+    >>> scorer = Scorer(2, 3)
+    >>> scorer.step([16, 16], [0.016, 0.016], threshold=0.7, patience=1)
+    []
+    """
+
+    def __init__(self, num_replicas, window):
+        nan = float("nan")
+        self.window = window
+        self.readings = [[nan] * num_replicas for _ in range(window)]
+        self.seen = 0
+        self.baseline = [nan] * num_replicas
+        self.below = [0] * num_replicas
+        self.above = [0] * num_replicas
+        self.flagged = [False] * num_replicas
+
+    @classmethod
+    def from_state(cls, state):
+        """A scorer holding `ScoreState` `state`."""
+        window, replicas = state.readings.shape
+        scorer = cls(replicas, window)
+        scorer.readings = [[float(v) for v in row] for row in state.readings]
+        scorer.seen = int(state.seen)
+        scorer.baseline = [float(v) for v in state.baseline]
+        scorer.below = [int(v) for v in state.below]
+        scorer.above = [int(v) for v in state.above]
+        scorer.flagged = [bool(v) for v in state.flagged]
+        return scorer
+
+    def state(self):
+        """This scorer's `ScoreState`."""
+        return ScoreState(
+            readings=np.array(self.readings, np.float64),
+            seen=self.seen,
+            baseline=np.array(self.baseline, np.float64),
+            below=np.array(self.below, np.int64),
+            above=np.array(self.above, np.int64),
+            flagged=np.array(self.flagged, bool),
+        )
+
+    def step(self, rows, compute_seconds, *, threshold, patience):
+        """Adds one reading and evaluates; returns `evaluate`'s changes."""
+        nan = float("nan")
+        reading = [
+            float(s) / float(r) if r > 0 else nan
+            for r, s in zip(rows, compute_seconds)
+        ]
+        self.readings.pop(0)
+        self.readings.append(reading)
+        self.seen += 1
+        if self.seen < self.window:
+            return []
+        cost = [_median(column) for column in zip(*self.readings)]
+        known = [c for c in cost if c == c]
+        best = min(known) if known else nan
+        changes = []
+        for replica, value in enumerate(cost):
+            relative = _ratio(best, value)
+            individual = _ratio(self.baseline[replica], value)
+            relaxed = self.baseline[replica] * (1.0 + BASELINE_RELAX)
+            # fmin: NaN loses to a number.
+            if value == value and not relaxed <= value:
+                self.baseline[replica] = value
+            else:
+                self.baseline[replica] = relaxed
+            low = relative < threshold or individual < threshold
+            if low:
+                self.below[replica] += 1
+                self.above[replica] = 0
+            else:
+                self.below[replica] = 0
+                self.above[replica] += 1
+            flagged = self.flagged[replica]
+            if not flagged and self.below[replica] >= patience:
+                kind = "straggler"
+            elif flagged and self.above[replica] >= patience:
+                kind = "recovered"
+            else:
+                continue
+            self.flagged[replica] = not flagged
+            changes.append((replica, kind, relative, individual))
+        return changes
+
+
+def _median(values):
+    known = sorted(v for v in values if v == v)
+    if not known:
+        return float("nan")
+    middle, odd = divmod(len(known), 2)
+    if odd:
+        return known[middle]
+    return 0.5 * (known[middle - 1] + known[middle])
+
+
+def _ratio(numerator, denominator):
+    """numpy's float64 division: x/0 is inf (or NaN for 0/0), NaN stays."""
+    if denominator == 0:
+        if numerator != numerator or numerator == 0:
+            return float("nan")
+        return math.copysign(float("inf"), numerator)
+    return numerator / denominator

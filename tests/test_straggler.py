@@ -67,3 +67,41 @@ def test_zero_row_replica_is_not_scored_and_state_round_trips():
     again = straggler.ScoreState.from_dict(state.to_dict())
     np.testing.assert_array_equal(again.baseline, state.baseline)
     assert again.seen == state.seen
+
+
+def test_fast_scorer_matches_the_numpy_core_exactly():
+    # The detector runs `Scorer` (plain floats) every step; it must take
+    # exactly the numpy core's decisions: same changes, same state, on
+    # noisy costs with slowdowns, recoveries, zero-row replicas and a zero
+    # compute time.
+    rng = np.random.default_rng(7)
+    for replicas, window, patience in ((2, 9, 3), (4, 5, 1), (3, 4, 2)):
+        state = straggler.ScoreState.empty(replicas, window)
+        scorer = straggler.Scorer(replicas, window)
+        flagged = 0
+        for step in range(3000):
+            rows = rng.integers(0, 20, size=replicas)
+            rows[rng.random(replicas) < 0.05] = 0
+            speed = np.where(
+                (step // 150) % 3 == 1, [1.0] + [2.5] * (replicas - 1), 1.0
+            )
+            seconds = rows * 0.001 * speed * rng.uniform(0.8, 1.2, replicas)
+            if step == 500:
+                seconds[0] = 0.0
+            state = straggler.add_reading(state, rows, seconds)
+            state, expected = straggler.evaluate(
+                state, threshold=0.7, patience=patience
+            )
+            got = scorer.step(rows, seconds, threshold=0.7, patience=patience)
+            assert got == expected, (step, got, expected)
+            flagged += len(got)
+        mine = scorer.state()
+        np.testing.assert_array_equal(mine.readings, state.readings)
+        np.testing.assert_array_equal(mine.baseline, state.baseline)
+        np.testing.assert_array_equal(mine.below, state.below)
+        np.testing.assert_array_equal(mine.flagged, state.flagged)
+        assert mine.seen == state.seen
+        assert flagged > 4  # the slowdowns really flagged and recovered
+        again = straggler.Scorer.from_state(mine).state()
+        np.testing.assert_array_equal(again.readings, mine.readings)
+        np.testing.assert_array_equal(again.baseline, mine.baseline)

@@ -1,6 +1,5 @@
 """`StragglerDetector`: finds slow replicas and stuck workers."""
 
-import concurrent.futures
 import logging
 import os
 import threading
@@ -13,11 +12,6 @@ from keras_hetero._compat import keras
 
 logger = logging.getLogger("keras_hetero")
 
-# One scoring thread for all detectors; each waits for its previous job
-# before submitting the next, so a detector's state is never raced.
-_SCORER = concurrent.futures.ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="keras_hetero_straggler"
-)
 
 ACTIONS = ("warn", "rebalance", "checkpoint", "stop")
 
@@ -35,11 +29,6 @@ class StragglerDetector(keras.callbacks.Callback):
     both over the median of the last `window` steps. A replica whose score
     stays below `threshold` for `patience` evaluations becomes a straggler;
     it recovers after `patience` evaluations with both scores back above.
-
-    The scoring of a step runs on a helper thread while the next step
-    computes, so it adds next to nothing to the step time; a step's events
-    are therefore emitted at the end of the following step (and at epoch and
-    train end, so none is lost). `event.step` is the step that was scored.
 
     Each event is appended to `.events`, logged as one line naming replica,
     worker, device and scores, passed to `on_straggler(event)`, written to
@@ -161,8 +150,7 @@ class StragglerDetector(keras.callbacks.Callback):
         self.abort_on_hang = abort_on_hang
         self.events = []
         self.hangs = []
-        self._state = None
-        self._scoring = None
+        self._scorer = None
         self._writer = None
         self._watchdog = None
 
@@ -171,10 +159,9 @@ class StragglerDetector(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.events = []
         self.hangs = []
-        self._state = None
+        self._scorer = None
         self._steps = 0
         self._batch_start = None
-        self._scoring = None
         if self.log_dir is not None and self._writer is None:
             import tensorflow as tf
 
@@ -184,7 +171,6 @@ class StragglerDetector(keras.callbacks.Callback):
             self._watchdog.start()
 
     def on_train_end(self, logs=None):
-        self._finish_scoring()
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -203,40 +189,24 @@ class StragglerDetector(keras.callbacks.Callback):
         self._steps += steps
         if self._watchdog is not None:
             self._watchdog.step_finished(self._steps)
-        # Score on a helper thread while the next step runs (TensorFlow
-        # releases the GIL while it computes), so the scoring stays off the
-        # step's critical path; its events are emitted here one step later.
-        self._finish_scoring()
-        if self._state is None:
-            self._state = straggler.ScoreState.empty(len(rows), self.window)
+        if self._scorer is None:
+            self._scorer = straggler.Scorer(len(rows), self.window)
             self._devices = devices
-        self._scoring = _SCORER.submit(self._score, rows, seconds, self._steps)
-
-    def _score(self, rows, seconds, step):
-        """Adds one reading and evaluates; returns the events (any thread)."""
-        state = straggler.add_reading(self._state, rows, seconds)
-        self._state, changes = straggler.evaluate(
-            state, threshold=self.threshold, patience=self.patience
+        changes = self._scorer.step(
+            rows, seconds, threshold=self.threshold, patience=self.patience
         )
-        return [
-            straggler.StragglerEvent(
-                step=step,
-                replica=replica,
-                worker=_worker_of(replica, self._devices),
-                device=self._devices[replica],
-                relative_score=relative,
-                individual_score=individual,
-                kind=kind,
+        for replica, kind, relative, individual in changes:
+            self._emit(
+                straggler.StragglerEvent(
+                    step=self._steps,
+                    replica=replica,
+                    worker=_worker_of(replica, self._devices),
+                    device=self._devices[replica],
+                    relative_score=relative,
+                    individual_score=individual,
+                    kind=kind,
+                )
             )
-            for replica, kind, relative, individual in changes
-        ]
-
-    def _finish_scoring(self):
-        """Waits for the pending scoring and emits its events."""
-        scoring, self._scoring = getattr(self, "_scoring", None), None
-        if scoring is not None:
-            for event in scoring.result():
-                self._emit(event)
 
     def _observation(self):
         stats = getattr(self.model, "step_stats", None)
@@ -247,10 +217,10 @@ class StragglerDetector(keras.callbacks.Callback):
         return np.array([1]), np.array([seconds]), 1, [_this_worker_name()]
 
     def on_epoch_end(self, epoch, logs=None):
-        self._finish_scoring()
-        if logs is None or self._state is None:
+        if logs is None or self._scorer is None:
             return
-        relative, individual = straggler.scores(self._state)
+        state = self._scorer.state()
+        relative, individual = straggler.scores(state)
         for replica in range(len(relative)):
             logs[f"straggler/relative_{replica}"] = float(
                 np.nan_to_num(relative[replica], nan=1.0)
@@ -258,7 +228,7 @@ class StragglerDetector(keras.callbacks.Callback):
             logs[f"straggler/individual_{replica}"] = float(
                 np.nan_to_num(individual[replica], nan=1.0)
             )
-        logs["straggler/flagged"] = int(self._state.flagged.sum())
+        logs["straggler/flagged"] = int(state.flagged.sum())
         if self._writer is not None:
             with self._writer.as_default(step=self._steps):
                 for key, value in logs.items():
@@ -299,18 +269,22 @@ class StragglerDetector(keras.callbacks.Callback):
 
     def get_state(self):
         """Plain-data state for checkpoints."""
-        self._finish_scoring()
         return {
-            "scores": None if self._state is None else self._state.to_dict(),
+            "scores": None
+            if self._scorer is None
+            else self._scorer.state().to_dict(),
             "steps": getattr(self, "_steps", 0),
         }
 
     def set_state(self, state):
         """Restores `get_state()` output."""
         scores = state["scores"]
-        self._finish_scoring()
-        self._state = (
-            None if scores is None else straggler.ScoreState.from_dict(scores)
+        self._scorer = (
+            None
+            if scores is None
+            else straggler.Scorer.from_state(
+                straggler.ScoreState.from_dict(scores)
+            )
         )
         self._steps = int(state["steps"])
 
