@@ -10,13 +10,12 @@ Replicas are MirroredStrategy logical CPUs slowed by
 2. False flags: four replicas, no real slowdown, every replica's speed
    drawn anew each step uniformly within +-20%; events over `--jitter-steps`
    steps of a real fit, and over 100,000 steps of the pure scoring core
-   (`kh.straggler`, the same code the callback runs) on the same noise.
+   (`kh.straggler`'s numpy functions, whose decisions the callback's
+   `Scorer` reproduces exactly) on the same noise.
 3. Overhead: the same fit without the detector, again without (to show
    the run-to-run noise) and with it, alternating in one process; median
-   step time ratio, the detector's own time per step
-   on the training thread (time spent inside its callbacks) as a share of
-   the step, and the scoring time on its helper thread (which overlaps the
-   next step).
+   step time ratio, and the detector's own time per step (time spent
+   inside its callbacks) as a share of the step.
 
 Run: `python benchmarks/straggler.py` (about 4 minutes on 2 cores).
 """
@@ -170,41 +169,22 @@ def overhead(strategy, rounds, steps):
     model, _ = build(strategy, 2)
     runs = ("without", "again", "with")
     medians = {run: [] for run in runs}
-    inside, helper = [], []
+    inside = []
     for _ in range(rounds):
         for run in runs:
             timer = kh.testing.StepTimer()
             callbacks = [timer]
             if run == "with":
                 detector = kh.callbacks.StragglerDetector()
-                scoring = _time_scoring(detector)
                 timed = _Timed.make(detector)
                 callbacks.append(timed)
             model.fit(data(strategy, steps), verbose=0, callbacks=callbacks)
             medians[run].append(timer.median())
             if run == "with":
                 inside.append(timed.seconds / steps)
-                helper.append(scoring[0] / steps)
     result = {run: float(np.median(medians[run])) for run in runs}
     result["inside"] = float(np.median(inside))
-    result["helper"] = float(np.median(helper))
     return result
-
-
-def _time_scoring(detector):
-    """Sums the seconds of the detector's scoring on its helper thread."""
-    total = [0.0]
-    score = detector._score
-
-    def timed(*args):
-        start = time.perf_counter()
-        try:
-            return score(*args)
-        finally:
-            total[0] += time.perf_counter() - start
-
-    detector._score = timed
-    return total
 
 
 def main():
@@ -245,18 +225,16 @@ def main():
     without = times["without"]
     print(
         "| step time without detector | without, 2nd series (noise) | with "
-        "detector | ratio with / without | detector time per step on the "
-        "training thread | share of step | scoring per step on its helper "
-        "thread |"
+        "detector | ratio with / without | detector time per step | share "
+        "of step |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {1000 * without:.2f} ms | {1000 * times['again']:.2f} ms "
         f"(ratio {times['again'] / without:.3f}) | "
         f"{1000 * times['with']:.2f} ms | {times['with'] / without:.3f} | "
         f"{1000 * times['inside']:.3f} ms | "
-        f"{100 * times['inside'] / without:.2f}% | "
-        f"{1000 * times['helper']:.3f} ms |"
+        f"{100 * times['inside'] / without:.2f}% |"
     )
 
 
