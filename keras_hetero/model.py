@@ -34,7 +34,6 @@ from keras_hetero._compat import keras
 from keras_hetero.data.shard import HeteroDataset
 
 PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
-_PLANNED = "is not available in this release of keras-hetero yet"
 # `tf.distribute.experimental.CommunicationOptions` is a factory; this is
 # the class of what it returns.
 _COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
@@ -75,7 +74,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             rows differs between micro-steps; `optimizer.iterations` counts
             updates. Partial sums carry over epoch ends; those left when
             `fit` returns are not applied. Defaults to `1`.
-        pipeline_microbatches: Must be 1 for now. Defaults to `1`.
+        pipeline_microbatches: Micro-batches per replica batch (GPipe).
+            Each replica's rows are cut into this many contiguous pieces
+            that go through the model one after another, so a model split
+            across devices (`kh.layers.Placed`, `kh.placement`) keeps all
+            its stages busy: stage k works on micro-batch i+1 while stage
+            k+1 works on micro-batch i. The loss is the row-weighted mean of
+            the pieces' means, so the update equals `1` micro-batch (layers
+            that use batch statistics, such as BatchNormalization, see the
+            micro-batches). Defaults to `1`.
         communication: A `tf.distribute.experimental.CommunicationOptions`
             passed to the gradient all-reduce. Defaults to `None`.
         global_clipnorm: Clip the AGGREGATED gradient to this global norm.
@@ -87,7 +94,6 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             `accumulation_steps` or `pipeline_microbatches` below 1, or a
             `global_clipnorm` that is not positive.
         TypeError: If `communication` is not `CommunicationOptions`.
-        NotImplementedError: For settings reserved for a later release.
 
     Example:
 
@@ -213,11 +219,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             x = tf.nest.map_structure(tf.identity, x)
         variables = self.trainable_variables
         with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            mean_loss = _compat.unscaled_mean_loss(
-                self, x, y, y_pred, sample_weight, training=True
-            )
-            mean_loss = tf.cast(mean_loss, tf.float32)
+            y_pred, mean_loss = self._forward(x, y, sample_weight, rows)
             row_count = tf.cast(rows, tf.float32)
             scale = hetero.loss_scale
             if scale is None:
@@ -272,6 +274,44 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             hetero.telemetry.record(stats)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
+
+    def _forward(self, x, y, sample_weight, rows):
+        """Predictions and this replica's mean loss (float32) on its rows.
+
+        With `pipeline_microbatches=M` the rows are cut into M contiguous
+        micro-batches, each run through the model on its own; the mean is
+        the row-weighted mean of the micro-batches' means, so the loss (and
+        its gradient) is the one of the whole batch. TensorFlow runs each
+        op when its inputs are ready, so stage k of micro-batch i+1 runs
+        while stage k+1 works on micro-batch i, forward and backward (the
+        GPipe schedule, with no extra collective or synchronisation).
+        """
+        count = self._hetero.pipeline_microbatches
+        if count == 1:
+            y_pred = self(x, training=True)
+            mean_loss = _compat.unscaled_mean_loss(
+                self, x, y, y_pred, sample_weight, training=True
+            )
+            return y_pred, tf.cast(mean_loss, tf.float32)
+        predictions, weighted = [], []
+        for chunk in range(count):
+            start = rows * chunk // count
+            end = rows * (chunk + 1) // count
+            x_i, y_i, weight_i = _rows((x, y, sample_weight), start, end)
+            y_pred_i = self(x_i, training=True)
+            mean_i = _compat.unscaled_mean_loss(
+                self, x_i, y_i, y_pred_i, weight_i, training=True
+            )
+            rows_i = tf.cast(end - start, tf.float32)
+            weighted.append(tf.cast(mean_i, tf.float32) * rows_i)
+            predictions.append(y_pred_i)
+        y_pred = tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, axis=0), *predictions
+        )
+        mean_loss = tf.math.divide_no_nan(
+            tf.add_n(weighted), tf.cast(rows, tf.float32)
+        )
+        return y_pred, mean_loss
 
     def test_step(self, data):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
@@ -423,6 +463,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                         "(global batches per epoch) under tf-keras."
                     )
         _check_batch_normalization(self, dataset, kwargs.get("callbacks"))
+        _check_microbatch_statistics(self)
         _compat.fix_synchronized_batch_norm(self)
         x = self._as_input(x, repeat=_compat.IS_LEGACY)
         validation = kwargs.get("validation_data")
@@ -647,10 +688,6 @@ def _check_options(
                 f"Invalid value for argument `{name}`. Received: "
                 f"{name}={value!r}. Expected an integer >= 1."
             )
-    if pipeline_microbatches != 1:
-        raise NotImplementedError(
-            f"pipeline_microbatches={pipeline_microbatches} {_PLANNED}."
-        )
     if communication is not None and not isinstance(
         communication, _COMMUNICATION_OPTIONS
     ):
@@ -788,10 +825,39 @@ def _check_batch_normalization(model, dataset, callbacks):
         )
 
 
+def _check_microbatch_statistics(model):
+    """Batch statistics see micro-batches under `pipeline_microbatches`."""
+    count = model._hetero.pipeline_microbatches
+    if count == 1:
+        return
+    names = [
+        layer.name
+        for layer in _compat.all_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    if names:
+        warnings.warn(
+            f"BatchNormalization layer(s) {names} normalise each of the "
+            f"{count} micro-batches (`pipeline_microbatches={count}`) "
+            "separately, so training is not the same as with whole batches "
+            "(as in GPipe). Use LayerNormalization, or "
+            "`pipeline_microbatches=1`, for updates that equal the whole "
+            "batch.",
+            stacklevel=3,
+        )
+
+
 def _elastic_checkpoints(callbacks):
     from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
 
     return [c for c in callbacks or () if isinstance(c, ElasticCheckpoint)]
+
+
+def _rows(structure, start, end):
+    """Rows `start:end` of every tensor in `structure` (None stays None)."""
+    return tf.nest.map_structure(
+        lambda t: None if t is None else t[start:end], structure
+    )
 
 
 def _batch_rows(x):

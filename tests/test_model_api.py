@@ -230,7 +230,7 @@ def test_dataset_for_another_strategy_is_an_error():
         ({"pipeline_microbatches": -1}, ValueError, "pipeline_microbatches"),
         ({"global_clipnorm": 0.0}, ValueError, "global_clipnorm=0.0"),
         ({"communication": "ring"}, TypeError, "CommunicationOptions"),
-        ({"pipeline_microbatches": 2}, NotImplementedError, "not available"),
+        ({"pipeline_microbatches": 2.0}, ValueError, "microbatches=2.0"),
         ({"accumulation_steps": 1.5}, ValueError, "accumulation_steps=1.5"),
     ],
 )

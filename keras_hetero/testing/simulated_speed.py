@@ -1,5 +1,7 @@
 """`SimulatedSpeed`: an identity layer that makes a replica look slow."""
 
+import collections
+import threading
 import time
 
 import numpy as np
@@ -9,11 +11,17 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._compat import keras
 
+# One lock per simulated device: a device does one thing at a time, so two
+# sleeps on one device (two micro-batches of a pipeline stage, two slow
+# layers in parallel branches) take the sum of their times.
+_DEVICE_LOCKS = collections.defaultdict(threading.Lock)
 
-def _sleep(rows, replica, layer):
-    seconds = layer.seconds_for(int(replica)) * int(rows)
+
+def _sleep(rows, replica, layer, where):
+    seconds = layer.seconds_for(int(replica), where["device"]) * int(rows)
     if seconds > 0:
-        time.sleep(seconds)
+        with _DEVICE_LOCKS[where["device"]]:
+            time.sleep(seconds)
     return np.float32(0.0)
 
 
@@ -25,8 +33,12 @@ class SimulatedSpeed(keras.layers.Layer):
     model and each replica's forward pass takes longer in proportion to its
     rows. Replicas' sleeps overlap as real devices would (the sleep is a
     stateless `numpy_function` whose output feeds the layer's result, so
-    TensorFlow does not serialise it). Assign `seconds_per_row` at any time,
-    also during `fit`, to simulate a slowdown.
+    TensorFlow does not serialise it), and a device does one thing at a
+    time: two sleeps on one device (two micro-batches of a pipeline stage)
+    queue. A dict of speeds is looked up by the device the layer runs on,
+    so inside a `kh.layers.Placed` stage `{"CPU:1": 0.002}` slows that
+    stage. Assign `seconds_per_row` at any time, also during `fit`, to
+    simulate a slowdown.
 
     Args:
         seconds_per_row: A float for every replica; a list with one float per
@@ -72,13 +84,19 @@ class SimulatedSpeed(keras.layers.Layer):
         object.__setattr__(self, "_seconds_per_row", checked)
         object.__setattr__(self, "_device_by_replica", {})
 
-    def seconds_for(self, replica):
-        """Seconds per row for global replica index `replica`."""
+    def seconds_for(self, replica, device=None):
+        """Seconds per row for global replica index `replica`.
+
+        A dict of speeds is looked up by `device` when given (the device the
+        sleep runs on, e.g. a `kh.layers.Placed` stage's), else by the
+        replica's device.
+        """
         value = self._seconds_per_row
         if isinstance(value, list):
             return value[replica] if replica < len(value) else 0.0
         if isinstance(value, dict):
-            device = self._device_by_replica.get(replica)
+            if device is None:
+                device = self._device_by_replica.get(replica)
             return _match_device(value, device)
         return value
 
@@ -87,18 +105,28 @@ class SimulatedSpeed(keras.layers.Layer):
         if worker is not None:
             return self._call_on_worker(inputs, worker)
         replica = _distribute.replica_id()
+        where = {"device": None}
         if isinstance(replica, int):
             strategy = tf.distribute.get_strategy()
             devices = _distribute.global_replica_devices(strategy)
             self._device_by_replica[replica] = devices[replica]
+            where["device"] = devices[replica]
         first = tf.nest.flatten(inputs)[0]
         rows = tf.shape(first)[0]
+        # A stateless op whose inputs are all known when the step is traced
+        # (a static batch size) is constant-folded away: feed it a piece of
+        # the data too.
+        probe = tf.reshape(first, [-1])[:1]
         delay = tf.numpy_function(
-            lambda r: _sleep(r, replica, self),
-            [rows],
+            lambda r, _: _sleep(r, replica, self, where),
+            [rows, probe],
             tf.float32,
             stateful=False,
         )
+        if not tf.executing_eagerly() and delay.op.device:
+            # Traced under a device scope (a replica's, a Placed stage's):
+            # the sleep belongs to that device.
+            where["device"] = delay.op.device
         delay.set_shape([])
         return tf.nest.map_structure(
             lambda t: t + tf.cast(delay, t.dtype), inputs
