@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test test-quick test-keras3 test-legacy lint bench clean
+.PHONY: install demo test test-quick test-keras3 test-legacy lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,8 @@ test-quick: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check keras_hetero tests benchmarks examples
-	$(BIN)/ruff format --check keras_hetero tests benchmarks examples
+	$(BIN)/ruff check keras_hetero tests benchmarks examples docs/griffe_examples.py
+	$(BIN)/ruff format --check keras_hetero tests benchmarks examples docs/griffe_examples.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
@@ -46,5 +46,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/input.py
 
+## The documentation site (mkdocs.yml, docs/) into site/; warnings fail.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info
