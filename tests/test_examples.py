@@ -153,6 +153,7 @@ def test_placement(output_of):
     out = output_of("test_placement")
     assert "SIMULATED" in out and "bottleneck" in out
     assert "run on: ['/device:CPU:0', '/device:CPU:1']" in out
+    assert "pipeline: 4 micro-batches of 12 rows" in out
     assert number_after(out, "held-out accuracy:") > LEARNED
 
 
