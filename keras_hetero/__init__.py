@@ -10,6 +10,7 @@ from keras_hetero import data
 from keras_hetero import launcher
 from keras_hetero import layers
 from keras_hetero import placement
+from keras_hetero import report
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
 from keras_hetero.model import HeteroModel
@@ -29,5 +30,6 @@ __all__ = [
     "launcher",
     "layers",
     "placement",
+    "report",
     "testing",
 ]

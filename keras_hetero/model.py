@@ -430,6 +430,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
+        if isinstance(kwargs.get("callbacks"), (list, tuple)):
+            kwargs["callbacks"] = _observers_last(kwargs["callbacks"])
         if _distribute.is_parameter_server(self.distribute_strategy):
             options = _parameter_server_arguments("fit", x, y, args, kwargs)
             runner = self._parameter_server()
@@ -845,6 +847,17 @@ def _check_microbatch_statistics(model):
             "batch.",
             stacklevel=3,
         )
+
+
+def _observers_last(callbacks):
+    """Hands observers (`RunReport`, `HeteroTensorBoard`: they have
+    `_observe`) the other callbacks and runs them after those, so they see
+    each step's events and decisions in the same step."""
+    observers = [c for c in callbacks if hasattr(c, "_observe")]
+    others = [c for c in callbacks if not hasattr(c, "_observe")]
+    for observer in observers:
+        observer._observe(others)
+    return others + observers
 
 
 def _elastic_checkpoints(callbacks):

@@ -177,3 +177,27 @@ def poisoned_mwms():
         "iterations": int(model.optimizer.iterations.numpy()),
         "skipped": int(model._hetero.loss_scale.skipped.numpy()),
     }
+
+
+def observe_mwms(out):
+    """2-worker fit with HeteroTensorBoard and RunReport writing to `out`."""
+    import os
+
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = helpers.hetero_model()
+    data = kh.data.shard(helpers.examples(), 8, strategy=strategy)
+    board = kh.callbacks.HeteroTensorBoard(
+        os.path.join(out, "logs"), update_freq=2
+    )
+    report = kh.callbacks.RunReport(os.path.join(out, "report"))
+    model.fit(data, epochs=1, verbose=0, callbacks=[board, report])
+    return {
+        "report": None if report.files is None else report.files.html,
+        "rows": model.step_stats.rows.tolist(),
+    }

@@ -23,7 +23,10 @@ class ShardRebalancer(keras.callbacks.Callback):
     changes, the window forgets the old speed within about `window / 2`
     observations and the shares follow.
 
-    The epoch logs (and so `History`) get `share/replica_<i>`.
+    The epoch logs (and so `History` and the progress bar) get
+    `share/replica_<i>`. With `fit(verbose=1)` or `2`, each change also
+    prints one line: "ShardRebalancer: step 12: shares 0.143 0.286 0.571
+    (rows 6 12 24) from batch 16".
 
     Args:
         dataset: The `kh.data.HeteroDataset` passed to `fit`.
@@ -161,7 +164,23 @@ class ShardRebalancer(keras.callbacks.Callback):
                 shares, from_batch=(self._pass, self._pass_steps + self.lag)
             )
             self.changes.append((self._steps, start, shares))
+            self._print_change(start)
         return shares
+
+    def _print_change(self, start):
+        # Keras' progress bar only prints numbers, and tf-keras averages a
+        # per-batch log over the epoch; a line per change is exact in both.
+        verbose = (self.params or {}).get("verbose", 0)
+        if not verbose or self.model is None:
+            return
+        shares = " ".join(f"{share:.3f}" for share in self.dataset.shares)
+        rows = " ".join(str(int(row)) for row in self.dataset.rows)
+        print(
+            ("\n" if verbose == 1 else "")
+            + f"ShardRebalancer: step {self._steps}: shares {shares} "
+            + f"(rows {rows}) from batch {start[1]}",
+            flush=True,
+        )
 
     def _track_pass(self, steps):
         # Batches are numbered per pass of the input pipeline; the batch

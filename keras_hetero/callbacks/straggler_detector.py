@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from keras_hetero import _summary
 from keras_hetero import straggler
 from keras_hetero._compat import keras
 
@@ -217,23 +218,37 @@ class StragglerDetector(keras.callbacks.Callback):
         return np.array([1]), np.array([seconds]), 1, [_this_worker_name()]
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is None or self._scorer is None:
+        scalars = self.scalars()
+        if logs is None or not scalars:
             return
-        state = self._scorer.state()
-        relative, individual = straggler.scores(state)
-        for replica in range(len(relative)):
-            logs[f"straggler/relative_{replica}"] = float(
-                np.nan_to_num(relative[replica], nan=1.0)
-            )
-            logs[f"straggler/individual_{replica}"] = float(
-                np.nan_to_num(individual[replica], nan=1.0)
-            )
-        logs["straggler/flagged"] = int(state.flagged.sum())
+        logs.update(scalars)
         if self._writer is not None:
             with self._writer.as_default(step=self._steps):
-                for key, value in logs.items():
-                    if key.startswith("straggler/"):
-                        _write_scalar(key, value)
+                for key, value in scalars.items():
+                    _summary.write_scalar(key, value)
+
+    def scalars(self):
+        """The current scores as flat numbers, e.g. for TensorBoard.
+
+        Returns:
+            `{"straggler/relative_<i>": float, "straggler/individual_<i>":
+            float, ..., "straggler/flagged": int}` (a score is 1.0 until
+            the window has a reading), or `{}` before the first step.
+        """
+        if self._scorer is None:
+            return {}
+        state = self._scorer.state()
+        relative, individual = straggler.scores(state)
+        scalars = {}
+        for replica in range(len(relative)):
+            scalars[f"straggler/relative_{replica}"] = float(
+                np.nan_to_num(relative[replica], nan=1.0)
+            )
+            scalars[f"straggler/individual_{replica}"] = float(
+                np.nan_to_num(individual[replica], nan=1.0)
+            )
+        scalars["straggler/flagged"] = int(state.flagged.sum())
+        return scalars
 
     # --- events and actions ---------------------------------------------
 
@@ -287,20 +302,6 @@ class StragglerDetector(keras.callbacks.Callback):
             )
         )
         self._steps = int(state["steps"])
-
-
-def _write_scalar(tag, value):
-    # `tf.summary.scalar` needs the tensorboard package; `tf.summary.write`
-    # with the scalars plugin's metadata is core TF and reads the same.
-    import tensorflow as tf
-    from tensorflow.core.framework import summary_pb2
-
-    metadata = summary_pb2.SummaryMetadata()
-    metadata.plugin_data.plugin_name = "scalars"
-    metadata.data_class = summary_pb2.DATA_CLASS_SCALAR
-    tf.summary.write(
-        tag, tf.constant(float(value), tf.float32), metadata=metadata
-    )
 
 
 def _worker_of(replica, devices):

@@ -1,0 +1,108 @@
+"""`RunReport`: records every replica's steps during fit, writes a report."""
+
+import time
+
+import numpy as np
+
+from keras_hetero import _distribute
+from keras_hetero import report
+from keras_hetero.callbacks import _sources
+
+
+class RunReport(_sources.Observer):
+    """Records per-replica step times and shares, then writes a report.
+
+    After every train batch it keeps `model.step_stats` (rows and compute
+    seconds of every replica) and the step's wall time. At the end of `fit`
+    it adds the straggler events, checkpoints and share changes of the
+    `StragglerDetector`, `ElasticCheckpoint` and `ShardRebalancer` in the
+    same `fit` (`HeteroModel.fit` runs it after them) and writes
+    `report.png` and a self-contained `report.html` into `directory` (see
+    `kh.report.write`). Under multi-worker strategies only the chief
+    records and writes.
+
+    Needs a `kh.HeteroModel` (for `step_stats`) and matplotlib, the extra
+    `keras-hetero[report]`.
+
+    Args:
+        directory: Where the report goes; created if missing.
+        every_n_steps: Record one step in this many (for very long runs).
+            Defaults to `1`.
+
+    Attributes:
+        records: The `kh.report.Records` of the last `fit` (None before).
+        files: The `kh.report.ReportFiles` written (None before).
+
+    Raises:
+        ImportError: If matplotlib is not installed.
+        ValueError: If `every_n_steps` is not an integer >= 1.
+
+    Example:
+
+    >>> report = RunReport("/tmp/run1")  # doctest: +SKIP
+    >>> model.fit(data, callbacks=[report])  # doctest: +SKIP
+    >>> report.files.html  # doctest: +SKIP
+    '/tmp/run1/report.html'
+    """
+
+    def __init__(self, directory, every_n_steps=1):
+        super().__init__()
+        report._matplotlib()  # fail before training, not after it
+        if (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 1
+        ):
+            raise ValueError(
+                "Invalid value for argument `every_n_steps`. Received: "
+                f"every_n_steps={every_n_steps!r}. Expected an integer >= 1."
+            )
+        self.directory = directory
+        self.every_n_steps = every_n_steps
+        self.records = None
+        self.files = None
+
+    def on_train_begin(self, logs=None):
+        self.records = None
+        self.files = None
+        self._chief = _distribute.is_chief(self.model.distribute_strategy)
+        self._steps, self._rows, self._seconds, self._wall = [], [], [], []
+        self._devices = None
+        self._last_end = None
+        self._seen = 0
+        self._sources.start()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        last, self._last_end = self._last_end, now
+        stats = getattr(self.model, "step_stats", None)
+        if not self._chief or stats is None or stats.steps == 0:
+            return
+        self._sources.poll(stats.step)
+        self._last_step = stats.step
+        self._seen += 1
+        if self._seen % self.every_n_steps:
+            return
+        self._steps.append(stats.step)
+        self._rows.append(stats.rows / stats.steps)
+        self._seconds.append(stats.compute_seconds / stats.steps)
+        wall = np.nan if last is None else (now - last) / stats.steps
+        self._wall.append(wall)
+        self._devices = stats.devices
+
+    def on_train_end(self, logs=None):
+        if not self._chief or not self._steps:
+            return
+        sources = self._sources
+        sources.poll(self._last_step)  # ElasticCheckpoint's final save
+        self.records = report.Records(
+            steps=np.asarray(self._steps, np.int64),
+            rows=np.asarray(self._rows, np.float64),
+            compute_seconds=np.asarray(self._seconds, np.float64),
+            step_seconds=np.asarray(self._wall, np.float64),
+            devices=list(self._devices),
+            events=list(sources.events),
+            checkpoints=sources.saves(),
+            share_changes=list(sources.share_changes),
+        )
+        self.files = report.write(self.records, self.directory)
