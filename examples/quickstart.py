@@ -90,9 +90,11 @@ def hetero_run(strategy, examples, out):
     data = kh.data.shard(examples, GLOBAL_BATCH, strategy=strategy)
     rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=5)
     detector = kh.callbacks.StragglerDetector(
-        # These devices differ 4x by design; flag a replica 5x slower than
-        # the best one or than its own past.
-        threshold=0.2,
+        # These devices differ 4x by design (relative scores down to 0.25):
+        # flag a replica 5x slower than the best one, or 2x slower than its
+        # own past.
+        relative_threshold=0.2,
+        threshold=0.5,
         action="rebalance",
         rebalancer=rebalancer,
     )

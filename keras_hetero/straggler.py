@@ -128,13 +128,14 @@ def scores(state, cost=None):
         return best / cost, state.baseline / cost
 
 
-def evaluate(state, *, threshold, patience):
+def evaluate(state, *, threshold, patience, relative_threshold=None):
     """Scores the window and updates flags.
 
-    A replica is flagged after `patience` consecutive evaluations with a
-    score below `threshold`, and recovers after `patience` consecutive
-    evaluations with both scores at or above it. Nothing is scored until the
-    window is full once.
+    A replica is flagged after `patience` consecutive evaluations with its
+    individual score below `threshold` or its relative score below
+    `relative_threshold` (`threshold` if None), and recovers after
+    `patience` consecutive evaluations with neither. Nothing is scored until
+    the window is full once.
 
     Returns:
         `(new_state, changes)`, `changes` a list of
@@ -151,7 +152,9 @@ def evaluate(state, *, threshold, patience):
     # (fmin skips NaN: a replica's first median becomes its baseline.)
     baseline = np.fmin(state.baseline * (1.0 + BASELINE_RELAX), cost)
     # NaN (no reading) compares False: not low.
-    low = (relative < threshold) | (individual < threshold)
+    if relative_threshold is None:
+        relative_threshold = threshold
+    low = (relative < relative_threshold) | (individual < threshold)
     below = np.where(low, state.below + 1, 0)
     above = np.where(low, 0, state.above + 1)
     flagged = state.flagged
@@ -228,8 +231,18 @@ class Scorer:
             flagged=np.array(self.flagged, bool),
         )
 
-    def step(self, rows, compute_seconds, *, threshold, patience):
+    def step(
+        self,
+        rows,
+        compute_seconds,
+        *,
+        threshold,
+        patience,
+        relative_threshold=None,
+    ):
         """Adds one reading and evaluates; returns `evaluate`'s changes."""
+        if relative_threshold is None:
+            relative_threshold = threshold
         nan = float("nan")
         reading = [
             float(s) / float(r) if r > 0 else nan
@@ -253,7 +266,7 @@ class Scorer:
                 self.baseline[replica] = value
             else:
                 self.baseline[replica] = relaxed
-            low = relative < threshold or individual < threshold
+            low = relative < relative_threshold or individual < threshold
             if low:
                 self.below[replica] += 1
                 self.above[replica] = 0

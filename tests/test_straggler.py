@@ -5,7 +5,14 @@ import numpy as np
 from keras_hetero import straggler
 
 
-def _run(costs, rows=None, threshold=0.7, patience=3, window=9):
+def _run(
+    costs,
+    rows=None,
+    threshold=0.7,
+    patience=3,
+    window=9,
+    relative_threshold=None,
+):
     """Feeds per-step costs (seconds per row, [steps, replicas])."""
     costs = np.asarray(costs, np.float64)
     rows = np.full(costs.shape, 10.0) if rows is None else np.asarray(rows)
@@ -16,10 +23,32 @@ def _run(costs, rows=None, threshold=0.7, patience=3, window=9):
             state, rows[step], costs[step] * rows[step]
         )
         state, changes = straggler.evaluate(
-            state, threshold=threshold, patience=patience
+            state,
+            threshold=threshold,
+            patience=patience,
+            relative_threshold=relative_threshold,
         )
         events += [(step, *change) for change in changes]
     return state, events
+
+
+def test_a_device_slower_by_design_and_relative_threshold():
+    # Replica 1 is 4x slower per row from the start (a CPU next to a GPU):
+    # with one threshold it is a straggler for what it is; with
+    # relative_threshold below 0.25 it is not, yet its own slowdown (2x
+    # against its baseline, step 40) is still caught by the individual
+    # score.
+    costs = np.full((80, 2), 0.01)
+    costs[:, 1] = 0.04
+    _, events = _run(costs[:40])
+    assert [(e[1], e[2]) for e in events] == [(1, "straggler")]
+    assert events[0][3] == 0.25  # relative score
+    costs[40:, 1] *= 2.0
+    _, events = _run(costs, relative_threshold=0.2)
+    assert [(e[1], e[2]) for e in events] == [(1, "straggler")]
+    step, _, _, relative, individual = events[0]
+    assert 40 <= step < 50
+    assert relative == 0.125 and individual < 0.7
 
 
 def test_a_replica_slowed_1_5x_is_flagged_within_10_steps():
@@ -75,7 +104,11 @@ def test_fast_scorer_matches_the_numpy_core_exactly():
     # noisy costs with slowdowns, recoveries, zero-row replicas and a zero
     # compute time.
     rng = np.random.default_rng(7)
-    for replicas, window, patience in ((2, 9, 3), (4, 5, 1), (3, 4, 2)):
+    for replicas, window, patience, relative_threshold in (
+        (2, 9, 3, None),
+        (4, 5, 1, 0.5),
+        (3, 4, 2, None),
+    ):
         state = straggler.ScoreState.empty(replicas, window)
         scorer = straggler.Scorer(replicas, window)
         flagged = 0
@@ -90,9 +123,18 @@ def test_fast_scorer_matches_the_numpy_core_exactly():
                 seconds[0] = 0.0
             state = straggler.add_reading(state, rows, seconds)
             state, expected = straggler.evaluate(
-                state, threshold=0.7, patience=patience
+                state,
+                threshold=0.7,
+                patience=patience,
+                relative_threshold=relative_threshold,
             )
-            got = scorer.step(rows, seconds, threshold=0.7, patience=patience)
+            got = scorer.step(
+                rows,
+                seconds,
+                threshold=0.7,
+                patience=patience,
+                relative_threshold=relative_threshold,
+            )
             assert got == expected, (step, got, expected)
             flagged += len(got)
         mine = scorer.state()

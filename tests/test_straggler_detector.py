@@ -108,11 +108,27 @@ def test_plain_keras_model_per_worker_individual_score():
     assert detector.events[0].individual_score < 0.7
 
 
+def test_relative_threshold_spares_a_device_slower_by_design():
+    # Replica 1 is 4x slower per row throughout: flagged with the default
+    # threshold, not with relative_threshold=0.2.
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, _ = _model(strategy, [0.0005, 0.002])
+    data = kh.data.shard(helpers.examples(rows=16 * 30), 16, strategy=strategy)
+    default = kh.callbacks.StragglerDetector(window=5)
+    spared = kh.callbacks.StragglerDetector(window=5, relative_threshold=0.2)
+    model.fit(data, epochs=1, verbose=0, callbacks=[default, spared])
+    assert [(e.replica, e.kind) for e in default.events] == [(1, "straggler")]
+    assert spared.events == []
+    assert spared.scalars()["straggler/relative_1"] < 0.5
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
         ({"threshold": 0.0}, ValueError, "threshold=0.0"),
         ({"threshold": 1.5}, ValueError, "threshold"),
+        ({"relative_threshold": 0}, ValueError, "relative_threshold=0"),
+        ({"relative_threshold": "low"}, ValueError, "relative_threshold"),
         ({"patience": 0}, ValueError, "patience=0"),
         ({"action": "explode"}, ValueError, "explode"),
         ({"action": "rebalance"}, ValueError, "rebalancer"),

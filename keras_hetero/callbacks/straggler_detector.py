@@ -27,9 +27,16 @@ class StragglerDetector(keras.callbacks.Callback):
 
     Scores (see `kh.straggler`): relative = best replica's seconds per row /
     this replica's; individual = this replica's baseline / its current value,
-    both over the median of the last `window` steps. A replica whose score
-    stays below `threshold` for `patience` evaluations becomes a straggler;
-    it recovers after `patience` evaluations with both scores back above.
+    both over the median of the last `window` steps. A replica whose
+    individual score stays below `threshold` (or relative score below
+    `relative_threshold`) for `patience` evaluations becomes a straggler; it
+    recovers after `patience` evaluations with both scores back above.
+
+    On devices that differ by design (a GPU and a CPU, speeds 1 : 4), the
+    slower device's relative score is its speed ratio (0.25) from the first
+    step: set `relative_threshold` below the slowest device's expected ratio
+    so it is not flagged for what it is, while `threshold` still catches
+    any device slowing down against its own baseline.
 
     Each event is appended to `.events`, logged as one line naming replica,
     worker, device and scores, passed to `on_straggler(event)`, written to
@@ -54,6 +61,8 @@ class StragglerDetector(keras.callbacks.Callback):
     Args:
         threshold: Score below which a replica is slow, in (0, 1]. Defaults
             to `0.7`.
+        relative_threshold: Relative score below which a replica is slow,
+            in (0, 1]; `None` uses `threshold`. Defaults to `None`.
         patience: Evaluations in a row before flagging or recovering, >= 1.
             Defaults to `3`.
         action: One of "warn", "rebalance", "checkpoint", "stop", or a list
@@ -70,7 +79,8 @@ class StragglerDetector(keras.callbacks.Callback):
             `False`.
 
     Raises:
-        ValueError: For `threshold` outside (0, 1], `patience` or `window`
+        ValueError: For `threshold` or `relative_threshold` outside
+            (0, 1], `patience` or `window`
             below 1, an unknown action, `"rebalance"` without a rebalancer,
             or a non-positive `hang_timeout`.
         TypeError: If `on_straggler` is not callable.
@@ -96,15 +106,23 @@ class StragglerDetector(keras.callbacks.Callback):
         log_dir=None,
         hang_timeout=None,
         abort_on_hang=False,
+        relative_threshold=None,
     ):
         super().__init__()
-        if isinstance(threshold, bool) or not (
-            isinstance(threshold, (int, float)) and 0 < threshold <= 1
+        for name, value in (
+            ("threshold", threshold),
+            (
+                "relative_threshold",
+                1.0 if relative_threshold is None else relative_threshold,
+            ),
         ):
-            raise ValueError(
-                "Invalid value for argument `threshold`. Received: "
-                f"threshold={threshold!r}. Expected a number in (0, 1]."
-            )
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) and 0 < value <= 1
+            ):
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r}. Expected a number in (0, 1]."
+                )
         for name, value in (("patience", patience), ("window", window)):
             if (
                 isinstance(value, bool)
@@ -140,6 +158,11 @@ class StragglerDetector(keras.callbacks.Callback):
                 f"hang_timeout={hang_timeout!r}. Expected seconds > 0 or None."
             )
         self.threshold = float(threshold)
+        self.relative_threshold = (
+            self.threshold
+            if relative_threshold is None
+            else float(relative_threshold)
+        )
         self.patience = patience
         self.actions = actions
         self.on_straggler = on_straggler
@@ -194,7 +217,11 @@ class StragglerDetector(keras.callbacks.Callback):
             self._scorer = straggler.Scorer(len(rows), self.window)
             self._devices = devices
         changes = self._scorer.step(
-            rows, seconds, threshold=self.threshold, patience=self.patience
+            rows,
+            seconds,
+            threshold=self.threshold,
+            patience=self.patience,
+            relative_threshold=self.relative_threshold,
         )
         for replica, kind, relative, individual in changes:
             self._emit(
@@ -252,12 +279,17 @@ class StragglerDetector(keras.callbacks.Callback):
 
     # --- events and actions ---------------------------------------------
 
+    def _thresholds(self):
+        if self.relative_threshold == self.threshold:
+            return f"{self.threshold:.2f}"
+        return f"{self.threshold:.2f}, relative {self.relative_threshold:.2f}"
+
     def _emit(self, event):
         self.events.append(event)
         verb = "is a straggler" if event.kind == "straggler" else "recovered"
         logger.warning(
             "StragglerDetector: replica %d (worker %d, %s) %s at step %d: "
-            "relative score %.2f, individual score %.2f (threshold %.2f)",
+            "relative score %.2f, individual score %.2f (threshold %s)",
             event.replica,
             event.worker,
             event.device,
@@ -265,7 +297,7 @@ class StragglerDetector(keras.callbacks.Callback):
             event.step,
             event.relative_score,
             event.individual_score,
-            self.threshold,
+            self._thresholds(),
         )
         if self.on_straggler is not None:
             self.on_straggler(event)
