@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from keras_hetero._checks import check_int
 from keras_hetero.testing.workers import free_ports
 
 RESTART_ENV = "KERAS_HETERO_RESTART"
@@ -103,10 +104,10 @@ def launch(
     >>> result.exit_code  # doctest: +SKIP
     0
     """
-    _check_int("workers", workers, 1)
-    _check_int("max_restarts", max_restarts, 0)
+    check_int("workers", workers, 1)
+    check_int("max_restarts", max_restarts, 0)
     if min_workers is not None:
-        _check_int("min_workers", min_workers, 1)
+        check_int("min_workers", min_workers, 1)
         if min_workers > workers:
             raise ValueError(
                 "Invalid value for argument `min_workers`. Received: "
@@ -267,14 +268,6 @@ def _say(output, line):
 
 def _status(code):
     return 128 - code if code < 0 else code
-
-
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"Invalid value for argument `{name}`. Received: "
-            f"{name}={value!r}. Expected an integer >= {low}."
-        )
 
 
 def main(argv=None):

@@ -30,6 +30,7 @@ from keras_hetero import aggregation
 from keras_hetero import loss_scale as loss_scale_lib
 from keras_hetero import precision as precision_lib
 from keras_hetero import telemetry
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.data.shard import HeteroDataset
 
@@ -685,11 +686,7 @@ def _check_options(
         ("accumulation_steps", accumulation_steps),
         ("pipeline_microbatches", pipeline_microbatches),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"Invalid value for argument `{name}`. Received: "
-                f"{name}={value!r}. Expected an integer >= 1."
-            )
+        check_int(name, value)
     if communication is not None and not isinstance(
         communication, _COMMUNICATION_OPTIONS
     ):

@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import telemetry
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 
 _WORKER_GONE = (
@@ -387,12 +388,7 @@ def _with_input_context(dataset_fn):
 
 def _steps(x, steps, name):
     if steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(
-                f"Invalid value for argument `{name}`. Received: "
-                f"{name}={steps!r}. Expected an integer >= 1."
-            )
-        return steps
+        return check_int(name, steps)
     if isinstance(x, tf.data.Dataset):
         count = int(x.cardinality())
         if count > 0:

@@ -24,6 +24,8 @@ import os
 import shutil
 import tempfile
 
+from keras_hetero._checks import check_int
+
 try:
     import ray.train
     from ray.train.tensorflow import TensorflowConfig as _RayTensorflowConfig
@@ -144,17 +146,12 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
     """
 
     def __init__(self, save_every=100, keep=1, *, resize="keep_global_batch"):
-        if (
-            isinstance(save_every, bool)
-            or not isinstance(save_every, int)
-            or save_every < 1
-        ):
-            raise ValueError(
-                "Invalid value for argument `save_every`. Received: "
-                f"save_every={save_every!r}. Expected a positive int (train "
-                "steps): every worker must call `ray.train.report` at the "
-                "same steps."
-            )
+        check_int(
+            "save_every",
+            save_every,
+            expected="a positive int (train steps): every worker must call "
+            "`ray.train.report` at the same steps",
+        )
         super().__init__(
             tempfile.mkdtemp(prefix="keras_hetero-ray-"),
             save_every=save_every,

@@ -12,6 +12,7 @@ import numpy as np
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import checkpointing
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 
 logger = logging.getLogger("keras_hetero")
@@ -98,11 +99,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
     ):
         super().__init__()
         self.save_every = checkpointing.parse_save_every(save_every)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(
-                "Invalid value for argument `keep`. Received: "
-                f"keep={keep!r}. Expected an integer >= 1."
-            )
+        check_int("keep", keep)
         self.mtbf = checkpointing.parse_duration(mtbf, "mtbf")
         if resize not in RESIZE:
             raise ValueError(

@@ -6,6 +6,7 @@ import numpy as np
 
 from keras_hetero import _distribute
 from keras_hetero import _summary
+from keras_hetero._checks import check_int
 from keras_hetero.callbacks import _sources
 
 
@@ -52,15 +53,11 @@ class HeteroTensorBoard(_sources.Observer):
 
     def __init__(self, log_dir, update_freq=100):
         super().__init__()
-        if update_freq != "epoch" and (
-            isinstance(update_freq, bool)
-            or not isinstance(update_freq, int)
-            or update_freq < 1
-        ):
-            raise ValueError(
-                "Invalid value for argument `update_freq`. Received: "
-                f"update_freq={update_freq!r}. Expected an integer >= 1 or "
-                '"epoch".'
+        if update_freq != "epoch":
+            check_int(
+                "update_freq",
+                update_freq,
+                expected='an integer >= 1 or "epoch"',
             )
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq

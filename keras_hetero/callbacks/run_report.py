@@ -6,6 +6,7 @@ import numpy as np
 
 from keras_hetero import _distribute
 from keras_hetero import report
+from keras_hetero._checks import check_int
 from keras_hetero.callbacks import _sources
 
 
@@ -48,15 +49,7 @@ class RunReport(_sources.Observer):
     def __init__(self, directory, every_n_steps=1):
         super().__init__()
         report._matplotlib()  # fail before training, not after it
-        if (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps < 1
-        ):
-            raise ValueError(
-                "Invalid value for argument `every_n_steps`. Received: "
-                f"every_n_steps={every_n_steps!r}. Expected an integer >= 1."
-            )
+        check_int("every_n_steps", every_n_steps)
         self.directory = directory
         self.every_n_steps = every_n_steps
         self.records = None

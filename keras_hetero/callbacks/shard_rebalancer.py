@@ -3,6 +3,7 @@
 import numpy as np
 
 from keras_hetero import rebalance
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.data.shard import HeteroDataset
 
@@ -81,15 +82,7 @@ class ShardRebalancer(keras.callbacks.Callback):
             ("lag", lag, 1),
             ("warmup_steps", warmup_steps, 0),
         ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or (value < low)
-            ):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected an integer >= {low}."
-                )
+            check_int(name, value, low)
         replicas = dataset.num_replicas
         if not 0.0 <= float(min_share) <= 1.0 / replicas:
             raise ValueError(

@@ -9,6 +9,7 @@ import numpy as np
 
 from keras_hetero import _summary
 from keras_hetero import straggler
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 
 logger = logging.getLogger("keras_hetero")
@@ -124,15 +125,7 @@ class StragglerDetector(keras.callbacks.Callback):
                     f"{name}={value!r}. Expected a number in (0, 1]."
                 )
         for name, value in (("patience", patience), ("window", window)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or (value < 1)
-            ):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected an integer >= 1."
-                )
+            check_int(name, value)
         actions = [action] if isinstance(action, str) else list(action)
         unknown = [a for a in actions if a not in ACTIONS]
         if unknown or not actions:

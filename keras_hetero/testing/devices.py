@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from keras_hetero._checks import check_int
+
 
 def logical_cpus(n):
     """Splits the host CPU into `n` logical devices and returns their names.
@@ -27,11 +29,7 @@ def logical_cpus(n):
     >>> logical_cpus(2)
     ['/device:CPU:0', '/device:CPU:1']
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(
-            f"Invalid value for argument `n`. Received: n={n!r}. Expected a "
-            "positive integer."
-        )
+    check_int("n", n, expected="a positive integer")
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(

@@ -1,0 +1,17 @@
+"""Argument checks shared by keras_hetero's public functions."""
+
+
+def check_int(name, value, minimum=1, expected=None):
+    """Returns `value` if it is an int (not a bool) >= `minimum`.
+
+    Raises:
+        ValueError: Naming the argument, the value received and what was
+            expected (`expected`, or "an integer >= minimum").
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: "
+            f"{name}={value!r}. Expected "
+            f"{expected or f'an integer >= {minimum}'}."
+        )
+    return value
