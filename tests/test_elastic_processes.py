@@ -6,6 +6,7 @@ used, per attempt and worker.
 """
 
 import glob
+import io
 import json
 import os
 import signal
@@ -79,21 +80,10 @@ def _load(path):
         return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
 
-class _Lines:
-    def __init__(self):
-        self.text = ""
-
-    def write(self, text):
-        self.text += text
-
-    def flush(self):
-        pass
-
-
 def test_kill_9_a_worker_under_the_launcher_then_finish_exactly(tmp_path):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     fault_at = int(np.random.default_rng().integers(3, 16))
-    log = _Lines()
+    log = io.StringIO()
     result = launcher.launch(
         [
             sys.executable,
@@ -112,12 +102,12 @@ def test_kill_9_a_worker_under_the_launcher_then_finish_exactly(tmp_path):
         grace_seconds=5,
         output=log,
     )
-    context = f"fault_at={fault_at}\n" + log.text[-4000:]
+    context = f"fault_at={fault_at}\n" + log.getvalue()[-4000:]
     assert result.exit_code == 0, context
     assert len(result.attempts) == 2, context
     assert result.attempts[0].failed == (1,)
     assert result.attempts[0].exit_codes[1] == -signal.SIGKILL
-    assert "[worker 1]" in log.text and "[launcher]" in log.text
+    assert "[worker 1]" in log.getvalue() and "[launcher]" in log.getvalue()
     resumed_from = _restored_step(out)
     assert resumed_from <= fault_at, context
     _assert_exactly_once(_committed(out, resumed_from))
@@ -130,14 +120,14 @@ def test_kill_9_a_worker_under_the_launcher_then_finish_exactly(tmp_path):
 def test_resume_with_a_different_worker_count(tmp_path, after):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     base = [sys.executable, SCRIPT, "--out", out, "--ckpt", ckpt]
-    log = _Lines()
+    log = io.StringIO()
     first = launcher.launch(
         base + ["--stop-after", "7", "--epochs", "1"],
         2,
         max_restarts=0,
         output=log,
     )
-    assert first.exit_code == 0, log.text[-4000:]
+    assert first.exit_code == 0, log.getvalue()[-4000:]
     assert checkpointing.read_latest(ckpt) == "ckpt-0000000007"
     second = launcher.launch(
         base + ["--epochs", "1", "--attempt", "1"],
@@ -145,8 +135,8 @@ def test_resume_with_a_different_worker_count(tmp_path, after):
         max_restarts=0,
         output=log,
     )
-    assert second.exit_code == 0, log.text[-4000:]
-    assert "resuming a 2-replica checkpoint (2 worker(s))" in log.text
+    assert second.exit_code == 0, log.getvalue()[-4000:]
+    assert "resuming a 2-replica checkpoint (2 worker(s))" in log.getvalue()
     steps = _committed(out, 7)
     _assert_exactly_once(steps, epochs=1)
 
@@ -185,13 +175,13 @@ def test_sigterm_saves_stops_and_resume_continues_next_step(tmp_path):
 def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
-    log = _Lines()
+    log = io.StringIO()
     result = launcher.launch(
         [sys.executable, str(script)], 2, max_restarts=1, output=log
     )
     assert result.exit_code == 3
     assert len(result.attempts) == 2
-    assert "[worker 0] about to fail" in log.text
+    assert "[worker 0] about to fail" in log.getvalue()
 
 
 def test_launcher_shrinks_to_survivors_down_to_min_workers(tmp_path):
@@ -202,7 +192,7 @@ def test_launcher_shrinks_to_survivors_down_to_min_workers(tmp_path):
         "n = int(os.environ['KERAS_HETERO_NUM_WORKERS'])\n"
         "sys.exit(5 if n > 2 and task == n - 1 else 0)\n"
     )
-    log = _Lines()
+    log = io.StringIO()
     result = launcher.launch(
         [sys.executable, str(script)],
         4,

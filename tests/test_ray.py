@@ -9,6 +9,7 @@ Ray workers' output.
 """
 
 import glob
+import io
 import json
 import os
 import subprocess
@@ -88,26 +89,15 @@ def launcher_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("launcher")
     out = str(root / "out")
     config = {"out": out, "mode": "launcher", "ckpt": str(root / "ckpt")}
-    log = _Lines()
+    log = io.StringIO()
     result = launcher.launch(
         [sys.executable, ray_tasks.__file__, json.dumps(config)],
         2,
         max_restarts=0,
         output=log,
     )
-    assert result.exit_code == 0, log.text[-4000:]
+    assert result.exit_code == 0, log.getvalue()[-4000:]
     return out
-
-
-class _Lines:
-    def __init__(self):
-        self.text = ""
-
-    def write(self, text):
-        self.text += text
-
-    def flush(self):
-        pass
 
 
 def _records(out, attempt):
