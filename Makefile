@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## The main demo: HeteroModel on simulated unequal devices.
+## The main demo: HeteroModel on simulated unequal devices (it writes
+## TensorBoard logs: the extra gives the `tensorboard` command it prints).
 demo: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[tensorboard]"
 	$(BIN)/python examples/quickstart.py
 
 ## The whole suite, Keras 3 then tf-keras (what CI runs).

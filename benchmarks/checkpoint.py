@@ -29,7 +29,7 @@ WIDTH = 1024
 
 
 def build(strategy, step_seconds):
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     keras.utils.set_random_seed(0)
     with strategy.scope():

@@ -136,7 +136,7 @@ def fit_step_seconds(model, strategy, make, parse, batch):
 
 
 def build(strategy, features):
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     with strategy.scope():
         inputs = keras.Input((features,))

@@ -38,7 +38,7 @@ CLASSES = 10
 
 
 def build(strategy, compression, seed=0):
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     keras.utils.set_random_seed(seed)
     with strategy.scope():

@@ -37,7 +37,7 @@ def train(strategy, seconds, steps, rebalance, slowdown):
     """Step times (s) of one fit; `slowdown` = (step, replica, factor)."""
     import tensorflow as tf
 
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     with strategy.scope():
         inputs = keras.Input((16,))
@@ -62,7 +62,7 @@ def train(strategy, seconds, steps, rebalance, slowdown):
 
 
 def _SlowDown(layer, at, replica, factor):
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     class SlowDown(keras.callbacks.Callback):
         """Makes replica `replica` `factor` times slower after step `at`."""

@@ -8,7 +8,7 @@ scikit-learn ships the UCI handwritten digits (1797 images of 8x8 pixels,
 import numpy as np
 import tensorflow as tf
 
-from keras_hetero._compat import keras
+from keras_hetero import keras
 
 HELD_OUT = 357  # the last 357 images; the first 1440 train
 

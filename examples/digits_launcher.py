@@ -32,7 +32,7 @@ from _digits import layers  # noqa: E402
 from _digits import load  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
+from keras_hetero import keras  # noqa: E402
 
 GLOBAL_BATCH = 64
 SECONDS_PER_ROW = [0.0005, 0.002]  # simulated: worker 1 is 4x slower

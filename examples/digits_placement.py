@@ -25,7 +25,7 @@ from _digits import compile_for_digits  # noqa: E402
 from _digits import load  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
+from keras_hetero import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(2)
 SPEEDS = [1.0, 2.0]  # simulated: the planner's view of the devices

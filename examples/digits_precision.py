@@ -26,7 +26,7 @@ from _digits import examples  # noqa: E402
 from _digits import load  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
+from keras_hetero import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(2)
 GLOBAL_BATCH = 48

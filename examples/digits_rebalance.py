@@ -26,7 +26,7 @@ from _digits import layers  # noqa: E402
 from _digits import load  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
+from keras_hetero import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(3)
 SECONDS_PER_ROW = [0.003, 0.0015, 0.00075]  # simulated: speeds 1 : 2 : 4

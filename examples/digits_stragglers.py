@@ -27,7 +27,7 @@ from _digits import layers  # noqa: E402
 from _digits import load  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
+from keras_hetero import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(3)
 NORMAL = 0.001  # simulated seconds per row of a healthy replica

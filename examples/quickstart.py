@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero._compat import keras  # noqa: E402
+from keras_hetero import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(3)
 SECONDS_PER_ROW = [0.008, 0.004, 0.002]  # simulated: speeds 1 : 2 : 4

@@ -46,7 +46,7 @@ def train_fn(config):
 
     import keras_hetero as kh
     import keras_hetero.ray
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # Ray's TF_CONFIG
     with strategy.scope():

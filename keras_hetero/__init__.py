@@ -1,7 +1,8 @@
 """keras-hetero: Keras `fit()` that trains well on unequal hardware.
 
 Import as `import keras_hetero as kh`. The Keras flavour (Keras 3 or tf-keras)
-follows TensorFlow's own switch, `TF_USE_LEGACY_KERAS`.
+follows TensorFlow's own switch, `TF_USE_LEGACY_KERAS`; `kh.keras` is the
+selected Keras module (`keras`, or `tf_keras` under `TF_USE_LEGACY_KERAS=1`).
 """
 
 from keras_hetero import callbacks
@@ -13,6 +14,7 @@ from keras_hetero import placement
 from keras_hetero import report
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
+from keras_hetero._compat import keras
 from keras_hetero.model import HeteroModel
 from keras_hetero.precision import set_precision
 from keras_hetero.telemetry import StepStats
@@ -27,6 +29,7 @@ __all__ = [
     "set_precision",
     "checkpointing",
     "data",
+    "keras",
     "launcher",
     "layers",
     "placement",

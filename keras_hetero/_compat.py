@@ -24,6 +24,7 @@ if IS_LEGACY:
     from tf_keras.src.engine import data_adapter as _data_adapter
     from tf_keras.src.engine import training as _training
     from tf_keras.src.engine.functional import Functional
+    from tf_keras.src.optimizers.optimizer_v1 import TFOptimizer as _TFOptimizer
 
     unpack_x_y_sample_weight = _data_adapter.unpack_x_y_sample_weight
     functional_init_arguments = _training.is_functional_model_init_params
@@ -48,6 +49,17 @@ def register_serializable(name):
     return keras.saving.register_keras_serializable(
         package="keras_hetero", name=name
     )
+
+
+def register_plain_name(name, cls):
+    """Makes `cls` known to Keras by its bare class `name` too.
+
+    Legacy `.h5` files store the bare class name (`HeteroModel`), which
+    `register_serializable` does not cover (it registers
+    `keras_hetero>HeteroModel`); `load_model` then needs no `custom_objects`
+    after `import keras_hetero`.
+    """
+    keras.saving.get_custom_objects()[name] = cls
 
 
 def init_functional(model, args, kwargs):
@@ -78,6 +90,39 @@ def functional_config(model, default_get_config):
     return default_get_config()
 
 
+def symbolic_inputs_outputs(model):
+    """`(inputs, outputs)` of a model that has symbolic ones, in the
+    structure it was built with (one tensor stays one tensor, so `predict`
+    and `export` signatures stay the same), else `(None, None)`."""
+    if isinstance(model, keras.Sequential):
+        try:  # Both flavours raise for a Sequential that was never built.
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            return None, None
+        return (inputs[0], outputs[0]) if inputs else (None, None)
+    if not isinstance(model, Functional):
+        return None, None
+    if IS_LEGACY:
+        return model._nested_inputs, model._nested_outputs
+    return model._inputs_struct, model._outputs_struct
+
+
+def compile_arguments(model):
+    """The arguments of `model`'s last `compile`, or None if it has none.
+
+    Both flavours keep them in `model._compile_config.config` (what
+    `get_compile_config` serialises). The optimizer is the compiled object
+    (not, say, the string "adam"), so its state carries over.
+    """
+    config = getattr(model, "_compile_config", None)
+    if config is None:
+        return None
+    arguments = dict(config.config)
+    if getattr(model, "optimizer", None) is not None:
+        arguments["optimizer"] = model.optimizer
+    return arguments
+
+
 def model_strategy(model):
     """The strategy `model` was created under, or None."""
     if IS_LEGACY:
@@ -85,7 +130,7 @@ def model_strategy(model):
     return model._distribute_strategy
 
 
-def unscaled_mean_loss(model, x, y, y_pred, sample_weight, training):
+def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
     """This replica's mean loss over its own rows, regularisers included.
 
     Both flavours divide the compiled loss and the regularisation losses by
@@ -94,7 +139,6 @@ def unscaled_mean_loss(model, x, y, y_pred, sample_weight, training):
     tf-keras also updates its `loss` tracker inside `compute_loss`; for Keras 3
     we update `_loss_tracker` the way its own `train_step` does.
     """
-    rows = tf.shape(tf.nest.flatten(x)[0])[0]
     if IS_LEGACY:
         loss = model.compute_loss(x, y, y_pred, sample_weight)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -121,7 +165,7 @@ def _already_aggregated(grads_and_vars):
     return list(grads_and_vars)
 
 
-def skip_optimizer_all_reduce(optimizer):
+def skip_optimizer_all_reduce(optimizer, strategy):
     """Makes this Keras 3 optimizer instance apply gradients as given.
 
     Keras 3's TF optimizer always SUM-all-reduces gradients in replica context
@@ -132,6 +176,20 @@ def skip_optimizer_all_reduce(optimizer):
     is not enough: MirroredStrategy traces replicas in parallel threads.)
     """
     if IS_LEGACY:
+        if (
+            isinstance(optimizer, _TFOptimizer)
+            and strategy.num_replicas_in_sync > 1
+        ):
+            # A `tf.compat.v1` optimizer's `apply_gradients` always sums the
+            # gradients across replicas (no opt-out): a second sum.
+            raise ValueError(
+                "Invalid value for argument `optimizer`. Received: "
+                f"optimizer={optimizer!r} (a `tf.compat.v1` optimizer) under "
+                f"{type(strategy).__name__} with "
+                f"{strategy.num_replicas_in_sync} replicas. Such optimizers "
+                "sum gradients across replicas themselves, after HeteroModel "
+                "has. Use a Keras optimizer (e.g. `keras.optimizers.SGD`)."
+            )
         return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not hasattr(type(inner), "_all_reduce_sum_gradients"):
@@ -148,7 +206,15 @@ def apply_aggregated_gradients(optimizer, grads, variables):
     """Applies gradients that are already summed across replicas."""
     grads_and_vars = list(zip(grads, variables))
     if IS_LEGACY:
-        if isinstance(optimizer, keras.optimizers.legacy.Optimizer):
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if isinstance(optimizer, _TFOptimizer) or replicas == 1:
+            # Nothing to skip: one replica, or a `tf.compat.v1` optimizer
+            # (which takes no flag; more replicas are refused at compile).
+            # Also where tf-keras' legacy optimizers refuse the flag
+            # (`experimental_aggregate_gradients=False is not supported for
+            # ParameterServerStrategy`: each worker steps alone there).
+            optimizer.apply_gradients(grads_and_vars)
+        elif isinstance(optimizer, keras.optimizers.legacy.Optimizer):
             optimizer.apply_gradients(
                 grads_and_vars, experimental_aggregate_gradients=False
             )
@@ -401,6 +467,9 @@ class Keras3TrainerOverrides:
                 step_function, reduce_retracing=True, jit_compile=True
             )
 
+        # Not autograph-converted, as in Keras: the user's errors (say a
+        # metric name that does not exist) keep their own type.
+        @tf.autograph.experimental.do_not_convert
         def one_step_on_data(data):
             outputs = strategy.run(replica_step, args=(data,))
             return first_local_values(strategy, outputs)
@@ -411,8 +480,13 @@ class Keras3TrainerOverrides:
                 reduce_retracing=True,
                 jit_compile=jit and not per_replica,
             )
+        # Keras 3.11+: optional inputs fed None arrive as empty tf Optionals.
+        autoconvert = getattr(self, "_autoconvert_optionals", None)
+        if autoconvert is not None:
+            one_step_on_data = autoconvert(one_step_on_data)
         steps_per_execution = int(self.steps_per_execution)
 
+        @tf.autograph.experimental.do_not_convert
         def multi_step_on_iterator(iterator):
             # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
             # above: run up to `steps_per_execution` steps while data lasts,

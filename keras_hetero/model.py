@@ -132,13 +132,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         )
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
-                raise TypeError(
-                    f"`{type(self).__name__}` subclasses HeteroModel and calls "
-                    "`super().__init__(inputs, outputs)`. Build a functional "
-                    "model with `kh.HeteroModel(inputs, outputs)` or "
-                    "`kh.HeteroModel.from_model(model)`, or subclass "
-                    "HeteroModel with your own `call()`."
-                )
+                # A subclass calling `super().__init__(inputs, outputs)`.
+                _derive_from_functional(type(self))
             _compat.init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
@@ -156,41 +151,51 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     @classmethod
     def from_model(cls, model, **kwargs):
-        """A HeteroModel over the layers of a functional or Sequential model.
+        """A HeteroModel that trains the layers of an existing Keras model.
 
-        The new model shares the layers (and so the weights) of `model`.
+        A functional model, or a Sequential model that knows its input
+        shape, gives a functional HeteroModel over the same layers (and so
+        the same weights). Any other model (a Sequential without
+        `keras.Input`, a subclassed model) is wrapped: the HeteroModel calls
+        it, and it builds on the first data as it would alone. A compiled
+        `model` passes its compile settings on (the same optimizer object,
+        so its state carries over).
 
         Args:
-            model: A built functional or Sequential `keras.Model` (one with
-                `inputs` and `outputs`).
+            model: A `keras.Model`.
             **kwargs: HeteroModel arguments, e.g. `gradient_compression`.
 
         Returns:
             A `HeteroModel`.
 
         Raises:
-            ValueError: If `model` has no symbolic inputs (a subclassed model,
-                or a Sequential model that was never given an input shape).
+            TypeError: If `model` is not a `keras.Model`.
 
         Example:
 
-        >>> base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> base = keras.Sequential([keras.layers.Dense(2)])
+        >>> base.compile(optimizer="sgd", loss="mse")
         >>> model = HeteroModel.from_model(base)
+        >>> model.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0)
+        ... # doctest: +ELLIPSIS
+        <...History object at ...>
         """
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            inputs = outputs = None
-        if not inputs or not outputs:
-            raise ValueError(
-                "Invalid value for argument `model`. "
-                f"Received: model={model!r} "
-                "with no symbolic inputs. Expected a functional model or a "
-                "Sequential model that starts with `keras.Input(...)`. For a "
-                "subclassed model, subclass `kh.HeteroModel` instead."
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "Invalid value for argument `model`. Received: "
+                f"model={model!r} of type {type(model).__name__}. Expected a "
+                "`keras.Model` (functional, Sequential or subclassed)."
             )
         kwargs.setdefault("name", model.name)
-        return HeteroModel(inputs=inputs, outputs=outputs, **kwargs)
+        inputs, outputs = _compat.symbolic_inputs_outputs(model)
+        if inputs is not None:
+            hetero = HeteroModel(inputs=inputs, outputs=outputs, **kwargs)
+        else:
+            hetero = _WrappedModel(model, **kwargs)
+        arguments = _compat.compile_arguments(model)
+        if arguments is not None:
+            hetero.compile(**arguments)
+        return hetero
 
     @property
     def step_stats(self):
@@ -217,8 +222,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         )
         start = telemetry.clock(rows, timed)
         with tf.control_dependencies([start]):
-            x = tf.nest.map_structure(tf.identity, x)
-        variables = self.trainable_variables
+            x = tf.nest.map_structure(
+                lambda t: None if t is None else tf.identity(t), x
+            )
         with tf.GradientTape() as tape:
             y_pred, mean_loss = self._forward(x, y, sample_weight, rows)
             row_count = tf.cast(rows, tf.float32)
@@ -229,7 +235,19 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 # Scale the mean as Keras does, so float16 activations'
                 # gradients do not grow with the replica's rows.
                 target = mean_loss * scale.scale
-        grads = tape.gradient(target, variables)
+        # After the forward pass, as in Keras: a model whose layers build on
+        # their first call has its variables only now.
+        variables = self.trainable_variables
+        if variables and _compat.jit_compiled(self):
+            # A lazily built model's first trace: the optimizer's variables
+            # now, not under the control dependencies below (XLA cannot lift
+            # variables created there).
+            _compat.build_optimizer(self)
+        elif not variables:
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
+        grads = tape.gradient(target, variables) if variables else []
         if scale is not None:
             grads = [_times(g, row_count) for g in grads]
         with tf.control_dependencies(_dependencies(grads)):
@@ -243,7 +261,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             options=hetero.communication,
         )
         global_rows = tf.reduce_sum(stats[:num_replicas])
-        accumulator = self._accumulator()
+        accumulator = self._accumulator() if variables else None
         rows_so_far, ready = global_rows, None
         if accumulator is not None:
             grads, rows_so_far, ready = accumulator.add(grads, global_rows)
@@ -262,7 +280,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
 
         with tf.control_dependencies([global_rows]):
-            if scale is not None:
+            if not variables:
+                pass  # Keras skips the update too (it has nothing to update).
+            elif scale is not None:
                 # Skipped everywhere if any replica's gradient overflowed.
                 scale.apply_if_finite(apply, grads, ready)
             elif ready is not None:
@@ -291,7 +311,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if count == 1:
             y_pred = self(x, training=True)
             mean_loss = _compat.unscaled_mean_loss(
-                self, x, y, y_pred, sample_weight, training=True
+                self, x, y, y_pred, sample_weight, rows, training=True
             )
             return y_pred, tf.cast(mean_loss, tf.float32)
         predictions, weighted = [], []
@@ -301,7 +321,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             x_i, y_i, weight_i = _rows((x, y, sample_weight), start, end)
             y_pred_i = self(x_i, training=True)
             mean_i = _compat.unscaled_mean_loss(
-                self, x_i, y_i, y_pred_i, weight_i, training=True
+                self, x_i, y_i, y_pred_i, weight_i, end - start, training=True
             )
             rows_i = tf.cast(end - start, tf.float32)
             weighted.append(tf.cast(mean_i, tf.float32) * rows_i)
@@ -318,7 +338,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         _compat.unscaled_mean_loss(
-            self, x, y, y_pred, sample_weight, training=False
+            self, x, y, y_pred, sample_weight, _batch_rows(x), training=False
         )
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
@@ -406,16 +426,35 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             # gradients before the all-reduce; HeteroModel scales the loss
             # and checks the aggregated gradients (see `loss_scale`).
             self.optimizer = self.optimizer.inner_optimizer
-        _compat.skip_optimizer_all_reduce(self.optimizer)
+        _compat.skip_optimizer_all_reduce(
+            self.optimizer, self.distribute_strategy
+        )
         hetero = self._hetero
         policy = precision_lib.resolve(
             hetero.precision, self.distribute_strategy
         )
         needs_scaling = precision_lib.check_model(self, policy)
         hetero.loss_scale = None
-        if needs_scaling:
+        # Keras 3's `compile(auto_scale_loss=False)`: no loss scaling.
+        if needs_scaling and kwargs.get("auto_scale_loss", True):
             with self.distribute_strategy.scope():
                 hetero.loss_scale = loss_scale_lib.DynamicLossScale()
+
+    def compile_from_config(self, config):
+        """Compiles the model from `get_compile_config()` (used on load).
+
+        Keras' own version skips compiling a model whose class overrides
+        `compile`, as HeteroModel does (it adds to Keras' `compile`, so the
+        saved arguments are the user's), which left loaded models
+        uncompiled.
+
+        Args:
+            config: The dict `get_compile_config()` returned at save time.
+        """
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            _compat.build_optimizer(self)
 
     @property
     def loss_scale(self):
@@ -632,8 +671,62 @@ class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
         return model
 
 
+# Keras names a model's class in configs, summaries and legacy `.h5` files by
+# `__name__`; `__qualname__` stays the real one, so pickle can find it.
 _FunctionalHeteroModel.__name__ = "HeteroModel"
-_FunctionalHeteroModel.__qualname__ = "HeteroModel"
+_compat.register_plain_name("HeteroModel", _FunctionalHeteroModel)
+
+
+@_compat.register_serializable("WrappedModel")
+class _WrappedModel(HeteroModel):
+    """A HeteroModel that calls a model with no symbolic inputs.
+
+    Made by `HeteroModel.from_model` for a Sequential model without
+    `keras.Input` or a subclassed model: it builds with its first data.
+    """
+
+    def __init__(self, model, **kwargs):
+        super().__init__(**kwargs)
+        self.wrapped = model
+
+    def call(self, inputs, training=None, mask=None):
+        if mask is None:
+            return self.wrapped(inputs, training=training)
+        return self.wrapped(inputs, training=training, mask=mask)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "model": keras.saving.serialize_keras_object(self.wrapped),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        return cls(model, **config)
+
+
+def _derive_from_functional(cls):
+    """Puts the functional HeteroModel under `cls` in place of HeteroModel.
+
+    What Keras does for a `keras.Model` subclass whose `__init__` calls
+    `super().__init__(inputs, outputs)` (`inject_functional_model_class`:
+    `Model` becomes `Functional` in the bases of the subclass and of its
+    parents up to `Model`), except that it stops at HeteroModel, which itself
+    stays as it is: rewriting it would make every HeteroModel functional.
+
+    Returns:
+        `cls`, or the class that replaces it in the bases.
+    """
+    if cls is HeteroModel:
+        return _FunctionalHeteroModel
+    if not issubclass(cls, HeteroModel) or issubclass(cls, _compat.Functional):
+        return cls
+    cls.__bases__ = tuple(_derive_from_functional(b) for b in cls.__bases__)
+    return cls
 
 
 class _HeteroState:
@@ -871,7 +964,10 @@ def _rows(structure, start, end):
 
 
 def _batch_rows(x):
+    """Rows of the batch `x` (inputs fed None, e.g. optional ones, aside)."""
     leaves = [leaf for leaf in tf.nest.flatten(x) if leaf is not None]
+    if not leaves:  # The model's own call says what is missing.
+        return tf.constant(0)
     return tf.shape(leaves[0])[0]
 
 

@@ -34,11 +34,6 @@ def test_from_model_shares_layers_and_trains_like_reference():
     helpers.assert_weights_close(base.get_weights(), model.get_weights())
 
 
-def test_from_model_rejects_models_without_symbolic_inputs():
-    with pytest.raises(ValueError, match="no symbolic inputs"):
-        kh.HeteroModel.from_model(keras.Sequential([keras.layers.Dense(1)]))
-
-
 class SubclassedModel(kh.HeteroModel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -69,15 +64,6 @@ def test_subclassing_works_after_functional_use_under_mirrored():
         verbose=0,
     )
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
-
-
-def test_functional_subclass_gets_a_clear_error():
-    class Functional(kh.HeteroModel):
-        def __init__(self):
-            super().__init__(*helpers.layers())
-
-    with pytest.raises(TypeError, match="from_model"):
-        Functional()
 
 
 def test_keras_file_round_trip(tmp_path):

@@ -1,0 +1,321 @@
+"""HeteroModel as a drop-in `keras.Model`: every way of making a model,
+saving round trips, optional inputs and Keras' own error types, each checked
+against the same code with `keras.Model` (both flavours)."""
+
+import os
+import pickle
+import warnings
+
+import helpers
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import DEVICES
+
+import keras_hetero as kh
+
+keras = kh.keras
+X, Y, WEIGHTS, _ = helpers.arrays()
+
+
+def _two_dense():
+    # Seeded initialisers: the same weights whenever the layers build.
+    return [
+        keras.layers.Dense(
+            4,
+            activation="tanh",
+            kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+        ),
+        keras.layers.Dense(
+            1, kernel_initializer=keras.initializers.GlorotUniform(seed=2)
+        ),
+    ]
+
+
+def _subclass(base):
+    class Lazy(base):
+        """Layers made in `__init__`, built on the first call."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden, self.out = _two_dense()
+
+        def call(self, inputs):
+            return self.out(self.hidden(inputs))
+
+    return Lazy
+
+
+def _fit_lazy(base, strategy=None, **fit_kwargs):
+    """Fit of a lazily built subclass of `base`; initial weights seeded."""
+    scope = strategy.scope() if strategy else _no_scope()
+    with scope:
+        keras.utils.set_random_seed(11)
+        model = helpers.compile_model(_subclass(base)())
+    history = model.fit(
+        X,
+        Y,
+        batch_size=helpers.GLOBAL_BATCH,
+        shuffle=False,
+        verbose=0,
+        epochs=2,
+        **fit_kwargs,
+    )
+    return model, history.history
+
+
+class _no_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_lazily_built_subclass_fits_like_keras_model():
+    reference, want = _fit_lazy(keras.Model)
+    model, got = _fit_lazy(kh.HeteroModel)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+
+
+def test_lazily_built_subclass_fits_under_mirrored():
+    reference, _ = _fit_lazy(keras.Model)
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, _ = _fit_lazy(kh.HeteroModel, strategy)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_lazily_built_subclass_with_xla():
+    reference, _ = _fit_lazy(keras.Model)
+    with _no_scope():
+        keras.utils.set_random_seed(11)
+        model = _subclass(kh.HeteroModel)()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss="mse",
+            jit_compile=True,
+        )
+    model.fit(
+        X,
+        Y,
+        batch_size=helpers.GLOBAL_BATCH,
+        shuffle=False,
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_model_without_trainable_weights_warns_and_evaluates():
+    model = kh.HeteroModel(*helpers.layers())
+    model.trainable = False
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    before = model.get_weights()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(X, Y, batch_size=16, verbose=0)
+    assert any("trainable weights" in str(w.message) for w in caught)
+    helpers.assert_weights_close(model.get_weights(), before, rtol=0, atol=0)
+    stock = keras.Model(*helpers.layers())
+    stock.set_weights(before)
+    stock.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    want = stock.evaluate(X, Y, batch_size=16, return_dict=True, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(want["loss"], rel=1e-5)
+
+
+class FunctionalSubclass(kh.HeteroModel):
+    """A subclass that builds its graph and calls the functional init."""
+
+    def __init__(self, units=1, **kwargs):
+        inputs = keras.Input((helpers.FEATURES,))
+        hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+        super().__init__(inputs, keras.layers.Dense(units)(hidden), **kwargs)
+        self.units = units
+
+
+def test_subclass_calling_functional_init_trains_like_reference():
+    reference, _ = helpers.reference_fit()
+    model = helpers.compile_model(FunctionalSubclass(accumulation_steps=1))
+    model.set_weights(helpers.initial_weights())
+    assert model.units == 1
+    model.fit(
+        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH),
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    # HeteroModel itself stays a subclassing base.
+    assert not isinstance(_subclass(kh.HeteroModel)(), kh._compat.Functional)
+
+
+def test_pickle_round_trip_of_functional_model():
+    model = helpers.hetero_model(gradient_compression="fp16")
+    model.fit(X, Y, batch_size=16, verbose=0)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert isinstance(loaded, kh.HeteroModel)
+    assert loaded.get_config()["gradient_compression"] == "fp16"
+    np.testing.assert_allclose(
+        loaded.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-6
+    )
+
+
+def _compiled_settings(model):
+    return (
+        type(model.optimizer).__name__,
+        float(np.asarray(model.optimizer.learning_rate)),
+    )
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+def test_load_model_returns_a_compiled_model(tmp_path, suffix):
+    model = kh.HeteroModel(*helpers.layers(), gradient_compression="bf16")
+    # Keras 3 cannot load a compiled `.h5` with loss="mse", stock or not
+    # ("Could not deserialize 'keras.metrics.mse'"); a loss object it can.
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.MeanSquaredError(),
+        metrics=["mae"] if suffix == ".keras" else None,
+    )
+    model.fit(X, Y, batch_size=16, verbose=0)
+    path = os.path.join(tmp_path, "model" + suffix)
+    model.save(path)
+    loaded = keras.models.load_model(path)  # no custom_objects
+    assert isinstance(loaded, kh.HeteroModel)
+    assert loaded.get_config()["gradient_compression"] == "bf16"
+    assert _compiled_settings(loaded) == _compiled_settings(model)
+    want = model.evaluate(X, Y, return_dict=True, verbose=0)
+    got = loaded.evaluate(X, Y, return_dict=True, verbose=0)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=1e-6)
+    if suffix == ".h5" and kh.FLAVOUR == "keras3":
+        # Keras 3.15's `.h5` loader builds the optimizer for other variables
+        # ("Unknown variable ... This optimizer can only be called for the
+        # variables it was originally built with"), keras.Model as well.
+        return
+    # Training goes on from the saved optimizer state.
+    model.fit(X, Y, batch_size=16, verbose=0)
+    loaded.fit(X, Y, batch_size=16, verbose=0)
+    helpers.assert_weights_close(loaded.get_weights(), model.get_weights())
+
+
+def test_from_model_keeps_compile_state():
+    base = keras.Model(*helpers.layers())
+    base.set_weights(helpers.initial_weights())
+    helpers.compile_model(base)
+    model = kh.HeteroModel.from_model(base)
+    assert model.optimizer is base.optimizer
+    reference, _ = helpers.reference_fit()
+    model.fit(
+        kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH),
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_from_model_of_sequential_without_input_builds_on_first_data(
+    tmp_path,
+):
+    def make(wrap):
+        keras.utils.set_random_seed(5)
+        base = keras.Sequential(_two_dense())
+        model = kh.HeteroModel.from_model(base) if wrap else base
+        return helpers.compile_model(model)
+
+    reference, model = make(False), make(True)
+    assert isinstance(model, kh.HeteroModel)
+    for m in (reference, model):
+        m.fit(X, Y, batch_size=16, shuffle=False, epochs=2, verbose=0)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    path = os.path.join(tmp_path, "wrapped.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(
+        loaded.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-6
+    )
+
+
+def test_from_model_refuses_what_is_not_a_model():
+    with pytest.raises(TypeError, match="Expected a `keras.Model`"):
+        kh.HeteroModel.from_model(keras.layers.Dense(1))
+
+
+@pytest.mark.skipif(kh.FLAVOUR != "keras3", reason="Keras 3's optional inputs")
+def test_optional_input_fed_none():
+    def make(cls):
+        a = keras.Input((3,), name="a")
+        b = keras.Input((3,), name="b", optional=True)
+
+        class AddIfPresent(keras.layers.Layer):
+            def call(self, a, b=None):
+                return a if b is None else a + b
+
+        keras.utils.set_random_seed(2)
+        model = cls(
+            {"a": a, "b": b}, keras.layers.Dense(1)(AddIfPresent()(a, b))
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    data = {"a": X[:, :3], "b": None}
+    stock, model = make(keras.Model), make(kh.HeteroModel)
+    for m in (stock, model):
+        m.fit(data, Y, batch_size=16, shuffle=False, verbose=0)
+    helpers.assert_weights_close(model.get_weights(), stock.get_weights())
+    with pytest.raises(ValueError, match="is not optional"):
+        model.fit({"a": None, "b": None}, Y, verbose=0)
+
+
+def test_compile_mistakes_keep_keras_error_types():
+    for cls in (keras.Model, kh.HeteroModel):
+        model = cls(*helpers.layers())
+        model.compile(optimizer="sgd", loss={"no_such_output": "mse"})
+        with pytest.raises((ValueError, KeyError)) as caught:
+            model.fit(X, Y, verbose=0)
+        if cls is keras.Model:
+            stock = caught.type
+    assert caught.type is stock
+    assert "StagingError" not in type(caught.value).__name__
+
+
+def test_auto_scale_loss_false_turns_loss_scaling_off(mixed_float16):
+    if kh.FLAVOUR != "keras3":
+        pytest.skip("`auto_scale_loss` is a Keras 3 compile argument")
+    model = kh.HeteroModel(*helpers.layers())
+    model.compile(optimizer="sgd", loss="mse", auto_scale_loss=False)
+    assert model.loss_scale is None
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.loss_scale is not None
+
+
+@pytest.mark.skipif(kh.FLAVOUR != "tf-keras", reason="tf.compat.v1 optimizers")
+def test_tf_compat_v1_optimizer():
+    def make(cls):
+        model = cls(*helpers.layers())
+        model.set_weights(helpers.initial_weights())
+        model.compile(
+            optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.05),
+            loss="mse",
+        )
+        return model
+
+    stock, model = make(keras.Model), make(kh.HeteroModel)
+    for m in (stock, model):
+        m.fit(X, Y, batch_size=16, shuffle=False, epochs=2, verbose=0)
+    helpers.assert_weights_close(model.get_weights(), stock.get_weights())
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = kh.HeteroModel(*helpers.layers())
+        with pytest.raises(ValueError, match="tf.compat.v1"):
+            model.compile(
+                optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.05),
+                loss="mse",
+            )
+
+
+def test_public_keras_is_the_selected_flavour():
+    expected = "tf_keras" if kh.FLAVOUR == "tf-keras" else "keras"
+    assert kh.keras.__name__.split(".")[0] == expected
+    assert kh.keras is kh._compat.keras
