@@ -40,8 +40,8 @@ DEVICES = kh.testing.logical_cpus(8)
 
 import tensorflow as tf  # noqa: E402
 
-from keras_hetero import placement  # noqa: E402
 from keras_hetero import keras  # noqa: E402
+from keras_hetero import placement  # noqa: E402
 
 tf.config.threading.set_inter_op_parallelism_threads(64)
 
