@@ -238,10 +238,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         # After the forward pass, as in Keras: a model whose layers build on
         # their first call has its variables only now.
         variables = self.trainable_variables
-        if variables and _compat.jit_compiled(self):
+        if (
+            variables
+            and _compat.jit_compiled(self)
+            and not tf.distribute.has_strategy()
+        ):
             # A lazily built model's first trace: the optimizer's variables
             # now, not under the control dependencies below (XLA cannot lift
-            # variables created there).
+            # variables created there). Under a strategy the model and
+            # optimizer are built before tracing.
             _compat.build_optimizer(self)
         elif not variables:
             warnings.warn(
