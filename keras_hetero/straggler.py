@@ -10,9 +10,19 @@ recent costs:
 - relative score = best replica's median cost / this replica's median cost;
 - individual score = this replica's baseline (the lowest median it has
   shown, relaxed upward by `BASELINE_RELAX` per evaluation) / its current
-  median.
+  median; with other replicas scored, divided by the highest such ratio
+  among them (the least slowed replica's), so a slowdown that every replica
+  shares (the machine got busier) is not any replica's.
 
 Both are in (0, 1]; 1 is "as fast as it gets".
+
+A low score counts only when it costs time beyond the noise: the replica's
+excess, (its median cost - the cost it is compared with) * its rows in the
+latest step, must exceed `min_excess_seconds` and `NOISE_MADS` median
+absolute deviations of the window's step times (all replicas pooled).
+Small steps on a busy machine need this: there a 3 ms step takes 8 ms
+whenever the scheduler gives its core away for a time slice, for one
+replica and not the other, for several steps in a row.
 """
 
 import dataclasses
@@ -25,6 +35,19 @@ from keras_hetero import rebalance
 # Per evaluation: a baseline 10% too low is forgotten in about 100 steps,
 # while a real slowdown is flagged within `window / 2 + patience` steps.
 BASELINE_RELAX = 0.001
+
+# Seconds of compute a replica must lose per step, against the replica it is
+# compared with or its own baseline, before a low score counts. Steps of a
+# few ms on a busy 2-core machine lost 1-5 ms to scheduling alone (measured
+# on two equal logical CPUs; benchmarks/straggler.py); real stragglers of
+# interest lose far more.
+MIN_EXCESS_SECONDS = 0.003
+
+# The excess must also exceed this many median absolute deviations of the
+# window's step times: the noise floor of the machine as measured now
+# (about 7 standard deviations of Gaussian noise; scheduling noise has far
+# heavier tails).
+NOISE_MADS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +84,7 @@ class ScoreState:
         below: Consecutive evaluations below the threshold, per replica.
         above: Consecutive evaluations at or above it, per replica.
         flagged: Whether each replica is currently a straggler.
+        rows: Rows of each replica in the latest reading (0 before any).
     """
 
     readings: np.ndarray
@@ -69,6 +93,7 @@ class ScoreState:
     below: np.ndarray
     above: np.ndarray
     flagged: np.ndarray
+    rows: np.ndarray
 
     @classmethod
     def empty(cls, num_replicas, window):
@@ -79,6 +104,7 @@ class ScoreState:
             below=np.zeros(num_replicas, np.int64),
             above=np.zeros(num_replicas, np.int64),
             flagged=np.zeros(num_replicas, bool),
+            rows=np.zeros(num_replicas, np.float64),
         )
 
     def to_dict(self):
@@ -96,19 +122,21 @@ class ScoreState:
             below=np.asarray(data["below"], np.int64),
             above=np.asarray(data["above"], np.int64),
             flagged=np.asarray(data["flagged"], bool),
+            # States saved before `rows` existed: the next reading sets it.
+            rows=np.asarray(
+                data.get("rows", np.zeros(len(data["flagged"]))), np.float64
+            ),
         )
 
 
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
     window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
-    return ScoreState(
-        window.readings,
-        state.seen + 1,
-        state.baseline,
-        state.below,
-        state.above,
-        state.flagged,
+    return dataclasses.replace(
+        state,
+        readings=window.readings,
+        seen=state.seen + 1,
+        rows=np.asarray(rows, np.float64),
     )
 
 
@@ -122,20 +150,56 @@ def scores(state, cost=None):
     cost = current_costs(state) if cost is None else cost
     # NaN costs (no reading) stay NaN; fmin skips them when finding the best.
     best = np.fmin.reduce(cost)
-    if cost.all():  # no zero cost (NaN counts as true): nothing to silence
-        return best / cost, state.baseline / cost
     with np.errstate(divide="ignore", invalid="ignore"):
-        return best / cost, state.baseline / cost
+        relative, individual = best / cost, state.baseline / cost
+        # Against the least slowed replica: a slowdown all share is none's.
+        finite = individual[np.isfinite(individual)]
+        if finite.size > 1:
+            individual = individual / finite.max()
+    return relative, individual
 
 
-def evaluate(state, *, threshold, patience, relative_threshold=None):
+def noise_seconds(state, cost=None):
+    """Median absolute deviation of the window's step times, pooled.
+
+    Each reading's distance from its replica's median cost, times the
+    replica's rows in the latest reading; replicas without rows are left
+    out. 0.0 when there is nothing to measure.
+    """
+    cost = current_costs(state) if cost is None else cost
+    rows = state.rows
+    deviation = np.abs(state.readings - cost) * rows
+    known = deviation[:, rows > 0]
+    return _sorted_median(np.sort(known[~np.isnan(known)]))
+
+
+def _sorted_median(ordered):
+    """Median of a sorted 1-D array (0.0 if empty), as `_median` computes."""
+    if not ordered.size:
+        return 0.0
+    middle, odd = divmod(len(ordered), 2)
+    if odd:
+        return float(ordered[middle])
+    return float(0.5 * (ordered[middle - 1] + ordered[middle]))
+
+
+def evaluate(
+    state,
+    *,
+    threshold,
+    patience,
+    relative_threshold=None,
+    min_excess_seconds=MIN_EXCESS_SECONDS,
+):
     """Scores the window and updates flags.
 
-    A replica is flagged after `patience` consecutive evaluations with its
-    individual score below `threshold` or its relative score below
-    `relative_threshold` (`threshold` if None), and recovers after
-    `patience` consecutive evaluations with neither. Nothing is scored until
-    the window is full once.
+    A replica is low when its individual score is below `threshold` or its
+    relative score below `relative_threshold` (`threshold` if None), in
+    either case with an excess time (see the module docstring) above
+    `min_excess_seconds` and `NOISE_MADS` times `noise_seconds`. It is
+    flagged after `patience` consecutive low evaluations and recovers after
+    `patience` consecutive evaluations that are not. Nothing is scored
+    until the window is full once.
 
     Returns:
         `(new_state, changes)`, `changes` a list of
@@ -146,6 +210,8 @@ def evaluate(state, *, threshold, patience, relative_threshold=None):
         return state, []
     cost = current_costs(state)
     relative, individual = scores(state, cost)
+    floor = max(min_excess_seconds, NOISE_MADS * noise_seconds(state, cost))
+    best = np.fmin.reduce(cost)
     # The baseline is the lowest median seen, relaxed upward a little each
     # evaluation: over a long run the noise's luckiest window would
     # otherwise become the yardstick and flag ordinary jitter.
@@ -154,7 +220,12 @@ def evaluate(state, *, threshold, patience, relative_threshold=None):
     # NaN (no reading) compares False: not low.
     if relative_threshold is None:
         relative_threshold = threshold
-    low = (relative < relative_threshold) | (individual < threshold)
+    with np.errstate(invalid="ignore"):
+        relative_excess = (cost - best) * state.rows
+        individual_excess = cost * (1.0 - individual) * state.rows
+    low = ((relative < relative_threshold) & (relative_excess > floor)) | (
+        (individual < threshold) & (individual_excess > floor)
+    )
     below = np.where(low, state.below + 1, 0)
     above = np.where(low, 0, state.above + 1)
     flagged = state.flagged
@@ -172,8 +243,8 @@ def evaluate(state, *, threshold, patience, relative_threshold=None):
                     float(individual[replica]),
                 )
             )
-    new_state = ScoreState(
-        state.readings, state.seen, baseline, below, above, flagged
+    new_state = dataclasses.replace(
+        state, baseline=baseline, below=below, above=above, flagged=flagged
     )
     return new_state, changes
 
@@ -206,6 +277,7 @@ class Scorer:
         self.below = [0] * num_replicas
         self.above = [0] * num_replicas
         self.flagged = [False] * num_replicas
+        self.rows = [0.0] * num_replicas
 
     @classmethod
     def from_state(cls, state):
@@ -218,6 +290,7 @@ class Scorer:
         scorer.below = [int(v) for v in state.below]
         scorer.above = [int(v) for v in state.above]
         scorer.flagged = [bool(v) for v in state.flagged]
+        scorer.rows = [float(v) for v in state.rows]
         return scorer
 
     def state(self):
@@ -229,6 +302,7 @@ class Scorer:
             below=np.array(self.below, np.int64),
             above=np.array(self.above, np.int64),
             flagged=np.array(self.flagged, bool),
+            rows=np.array(self.rows, np.float64),
         )
 
     def step(
@@ -239,34 +313,58 @@ class Scorer:
         threshold,
         patience,
         relative_threshold=None,
+        min_excess_seconds=MIN_EXCESS_SECONDS,
     ):
         """Adds one reading and evaluates; returns `evaluate`'s changes."""
         if relative_threshold is None:
             relative_threshold = threshold
         nan = float("nan")
+        self.rows = [float(r) for r in rows]
         reading = [
-            float(s) / float(r) if r > 0 else nan
-            for r, s in zip(rows, compute_seconds)
+            float(s) / r if r > 0 else nan
+            for r, s in zip(self.rows, compute_seconds)
         ]
         self.readings.pop(0)
         self.readings.append(reading)
         self.seen += 1
         if self.seen < self.window:
             return []
-        cost = [_median(column) for column in zip(*self.readings)]
+        columns = list(zip(*self.readings))
+        cost = [_median(column) for column in columns]
         known = [c for c in cost if c == c]
         best = min(known) if known else nan
+        ratios = [_ratio(b, c) for b, c in zip(self.baseline, cost)]
+        finite = [r for r in ratios if math.isfinite(r)]
+        if len(finite) > 1:  # against the least slowed replica
+            peak = max(finite)
+            ratios = [_ratio(r, peak) for r in ratios]
+        deviations = [
+            abs(v - c) * r
+            for column, c, r in zip(columns, cost, self.rows)
+            if r > 0
+            for v in column
+            if v == v
+        ]
+        noise = _median(deviations) if deviations else 0.0
+        floor = max(min_excess_seconds, NOISE_MADS * noise)
         changes = []
         for replica, value in enumerate(cost):
             relative = _ratio(best, value)
-            individual = _ratio(self.baseline[replica], value)
+            individual = ratios[replica]
+            rows_now = self.rows[replica]
             relaxed = self.baseline[replica] * (1.0 + BASELINE_RELAX)
             # fmin: NaN loses to a number.
             if value == value and not relaxed <= value:
                 self.baseline[replica] = value
             else:
                 self.baseline[replica] = relaxed
-            low = relative < relative_threshold or individual < threshold
+            low = (
+                relative < relative_threshold
+                and (value - best) * rows_now > floor
+            ) or (
+                individual < threshold
+                and value * (1.0 - individual) * rows_now > floor
+            )
             if low:
                 self.below[replica] += 1
                 self.above[replica] = 0
