@@ -228,6 +228,29 @@ def test_straggler_detector_counts_steps_of_each_call():
     assert 16 < stragglers[0].step <= 16 + 2 * 10
 
 
+def test_hang_watchdog_keeps_one_progress_mark_per_worker(monkeypatch):
+    # With 2 steps per call the watchdog publishes steps 1, 3, 5, ...; each
+    # mark replaces the last one in the coordination service's store.
+    from tensorflow.python.eager import context
+
+    from keras_hetero.callbacks import straggler_detector
+
+    store = {}
+
+    class Store:
+        def set_config_key_value(self, key, value):
+            store[key] = value
+
+        def delete_config_key_value(self, key):
+            del store[key]
+
+    monkeypatch.setattr(context, "context", Store)
+    watchdog = straggler_detector._Watchdog(None, timeout=60)
+    for step in (1, 3, 5, 7):
+        watchdog.step_started(step)
+    assert list(store) == [straggler_detector._progress_key(0, 7)]
+
+
 @pytest.mark.slow
 def test_multi_worker_three_processes_match_single_device():
     shares = [0.5, 0.3, 0.2]

@@ -374,10 +374,11 @@ class _Watchdog:
 
     def step_started(self, step):
         with self._lock:
+            previous = self._step
             self._step, self._started = step, time.monotonic()
             if self._first is None:
                 self._first = step
-        _publish(self._task, step)
+        _publish(self._task, step, previous)
 
     def step_finished(self, step):
         with self._lock:
@@ -425,15 +426,16 @@ def _progress_key(task, step):
     return f"keras_hetero/progress/{task}/{step}"
 
 
-def _publish(task, step):
-    """Marks that worker `task` started step `step` (drops the old mark)."""
+def _publish(task, step, previous):
+    """Marks that worker `task` started step `step` and drops its mark of
+    step `previous` (`step - k` with `steps_per_execution=k`; 0: none)."""
     from tensorflow.python.eager import context
 
     try:
         context.context().set_config_key_value(_progress_key(task, step), "1")
-        if step > 1:
+        if previous:
             context.context().delete_config_key_value(
-                _progress_key(task, step - 1)
+                _progress_key(task, previous)
             )
     except Exception:  # no coordination service (single worker)
         pass
