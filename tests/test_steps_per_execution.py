@@ -10,6 +10,7 @@ moves shares. Telemetry covers each call's steps.
 import helpers
 import numpy as np
 import pytest
+import tensorflow as tf
 import workers_lib
 from conftest import DEVICES
 
@@ -21,8 +22,18 @@ from keras_hetero._compat import keras
 # rows; 5 is a multiple of neither 2 nor 3.
 BATCHES = 5
 STRATEGIES = {
-    "mirrored2-75_25": (2, [0.75, 0.25]),
-    "mirrored3-60_30_10": (3, [0.6, 0.3, 0.1]),
+    "mirrored2-75_25": (lambda: helpers.mirrored(DEVICES[:2]), [0.75, 0.25]),
+    "mirrored3-60_30_10": (
+        lambda: helpers.mirrored(DEVICES[:3]),
+        [0.6, 0.3, 0.1],
+    ),
+    "central_storage2-25_75": (
+        lambda: tf.distribute.experimental.CentralStorageStrategy(
+            DEVICES[:2], parameter_device=DEVICES[0]
+        ),
+        [0.25, 0.75],
+    ),
+    "one_device": (lambda: tf.distribute.OneDeviceStrategy(DEVICES[1]), None),
 }
 
 
@@ -45,11 +56,11 @@ class _RecordStats(keras.callbacks.Callback):
 @pytest.mark.parametrize("steps_per_execution", [2, 3])
 @pytest.mark.parametrize("setting", STRATEGIES.values(), ids=STRATEGIES)
 def test_fit_equals_single_device(setting, steps_per_execution):
-    replicas, shares = setting
+    make_strategy, shares = setting
     reference, reference_history = helpers.reference_fit(
         sample_weights=True, regularizer=True
     )
-    strategy = helpers.mirrored(DEVICES[:replicas])
+    strategy = make_strategy()
     model = _model(strategy, steps_per_execution)
     data = kh.data.shard(
         helpers.examples(sample_weights=True),
@@ -61,11 +72,16 @@ def test_fit_equals_single_device(setting, steps_per_execution):
     history = model.fit(data, epochs=2, verbose=0, callbacks=[record])
 
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
-    for key in ("loss", "mae"):
-        assert history.history[key] == pytest.approx(
-            reference_history[key], rel=1e-5
-        )
     assert int(model.optimizer.iterations.numpy()) == 2 * BATCHES
+    if not isinstance(
+        strategy, tf.distribute.experimental.CentralStorageStrategy
+    ):
+        # Upstream: Keras does not aggregate metrics under
+        # CentralStorageStrategy (docs/strategies.md).
+        for key in ("loss", "mae"):
+            assert history.history[key] == pytest.approx(
+                reference_history[key], rel=1e-5
+            )
     # One StepStats per call, summed over its steps; a call stops at the
     # epoch's end (5 = 2 + 2 + 1 = 3 + 2).
     per_epoch = [steps_per_execution] * (BATCHES // steps_per_execution)
@@ -73,13 +89,9 @@ def test_fit_equals_single_device(setting, steps_per_execution):
         per_epoch.append(BATCHES % steps_per_execution)
     assert [s.steps for s in record.seen] == per_epoch * 2
     assert [s.step for s in record.seen] == np.cumsum(per_epoch * 2).tolist()
-    full = kh.data.rows_from_shares(
-        kh.data.validate_shares(shares, replicas), helpers.GLOBAL_BATCH
-    )
-    last = kh.data.rows_from_shares(
-        kh.data.validate_shares(shares, replicas),
-        helpers.ROWS % helpers.GLOBAL_BATCH,
-    )
+    shares = data.shares
+    full = kh.data.rows_from_shares(shares, helpers.GLOBAL_BATCH)
+    last = kh.data.rows_from_shares(shares, helpers.ROWS % helpers.GLOBAL_BATCH)
     assert record.seen[0].rows.tolist() == (full * per_epoch[0]).tolist()
     assert (
         record.seen[-1].rows.tolist()

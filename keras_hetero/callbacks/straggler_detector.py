@@ -69,7 +69,9 @@ class StragglerDetector(keras.callbacks.Callback):
         action: One of "warn", "rebalance", "checkpoint", "stop", or a list
             of them. Defaults to `"warn"`.
         on_straggler: Called with every `StragglerEvent`. Defaults to None.
-        window: Steps the median covers. Defaults to `9`.
+        window: Readings the median covers, one per train batch callback
+            (with `steps_per_execution=k`, one per call of up to k steps).
+            Defaults to `9`.
         rebalancer: The `ShardRebalancer` for `action="rebalance"`.
         checkpoint: An object with `save_now()` (e.g. a checkpoint callback)
             for `"checkpoint"` / `"stop"`. Defaults to None.
