@@ -210,7 +210,8 @@ class StragglerDetector(keras.callbacks.Callback):
             self._watchdog.step_finished(self._steps)
         if self._scorer is None:
             self._scorer = straggler.Scorer(len(rows), self.window)
-            self._devices = devices
+        # Also after `set_state`, which restores the scorer only.
+        self._devices = devices
         changes = self._scorer.step(
             rows,
             seconds,
