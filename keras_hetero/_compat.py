@@ -426,7 +426,7 @@ class Keras3TrainerOverrides:
             # in one) called in this tf.cond inside tf.while_loop fails at
             # run time with "You must feed a value for placeholder tensor
             # 'while/cond/Placeholder'" (measured on TF 2.21, MirroredStrategy
-            # with 2 replicas; stock Keras 3.15 fails so). The distributed
+            # with 2 replicas; stock Keras 3.15 fails this way). The distributed
             # Optional passed through the loop is fine.
             if steps_per_execution == 1:
                 return tf.experimental.Optional.from_value(
