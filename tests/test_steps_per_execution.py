@@ -4,7 +4,9 @@ Several steps per call train exactly like one step per call, i.e. like one
 device on the same global batches: with uneven shares, the last partial
 global batch, epochs whose length is not a multiple of the steps per call or
 unknown, plain tf.data input, evaluate / predict, and while ShardRebalancer
-moves shares. Telemetry covers each call's steps.
+moves shares. Telemetry covers each call's steps. (The 3-process
+MultiWorkerMirrored case with fit / evaluate / predict is in
+test_multi_worker.py.)
 """
 
 import helpers
@@ -261,46 +263,6 @@ def test_hang_watchdog_keeps_one_progress_mark_per_worker(monkeypatch):
     for step in (1, 3, 5, 7):
         watchdog.step_started(step)
     assert list(store) == [straggler_detector._progress_key(0, 7)]
-
-
-@pytest.mark.slow
-def test_multi_worker_three_processes_match_single_device():
-    shares = [0.5, 0.3, 0.2]
-    results = kh.testing.run_workers(
-        workers_lib.train_mwms,
-        3,
-        timeout=300,
-        args=(shares, 2, True, True, 2),
-    )
-    reference, reference_history = helpers.reference_fit(
-        sample_weights=True, regularizer=True
-    )
-    expected_eval = reference.evaluate(
-        helpers.examples(sample_weights=True).batch(helpers.GLOBAL_BATCH),
-        return_dict=True,
-        verbose=0,
-    )
-    x, _, _, _ = helpers.arrays()
-    expected_predictions = reference.predict(x, verbose=0)
-    # The last call of an epoch trains only its last, partial batch.
-    expected_rows = kh.data.rows_from_shares(
-        kh.data.validate_shares(shares, 3), helpers.ROWS % helpers.GLOBAL_BATCH
-    )
-    for result in results:
-        value = result.value
-        assert value["num_replicas"] == 3
-        helpers.assert_weights_close(value["weights"], reference.get_weights())
-        for key in ("loss", "mae"):
-            assert value["history"][key] == pytest.approx(
-                reference_history[key], rel=1e-5
-            )
-            assert value["evaluation"][key] == pytest.approx(
-                expected_eval[key], rel=1e-5
-            )
-        np.testing.assert_allclose(
-            value["predictions"], expected_predictions, rtol=1e-5, atol=1e-6
-        )
-        assert value["rows"].tolist() == expected_rows.tolist()
 
 
 @pytest.mark.slow
