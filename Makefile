@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/input.py
 	$(BIN)/python benchmarks/placement.py
+	$(BIN)/python benchmarks/steps_per_execution.py
 
 ## The documentation site (mkdocs.yml, docs/) into site/; warnings fail.
 docs: $(STAMP)

@@ -474,23 +474,35 @@ class Keras3TrainerOverrides:
             outputs = strategy.run(replica_step, args=(data,))
             return first_local_values(strategy, outputs)
 
+        looped_step = one_step_on_data
         if not self.run_eagerly:
             one_step_on_data = tf.function(
                 one_step_on_data,
                 reduce_retracing=True,
                 jit_compile=jit and not per_replica,
             )
+            if self._distribute_strategy is None:
+                looped_step = one_step_on_data
         # Keras 3.11+: optional inputs fed None arrive as empty tf Optionals.
         autoconvert = getattr(self, "_autoconvert_optionals", None)
         if autoconvert is not None:
             one_step_on_data = autoconvert(one_step_on_data)
+            looped_step = autoconvert(looped_step)
         steps_per_execution = int(self.steps_per_execution)
 
         @tf.autograph.experimental.do_not_convert
         def multi_step_on_iterator(iterator):
             # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
-            # above: run up to `steps_per_execution` steps while data lasts,
-            # never fetching a batch that the next call should get.
+            # above and `looped_step`: run up to `steps_per_execution` steps
+            # while data lasts, never fetching a batch that the next call
+            # should get. Under a strategy the step is traced inline here:
+            # a nested tf.function around `strategy.run` (Keras' structure)
+            # or around the replica function (which MirroredStrategy wraps
+            # in one) called in this tf.cond inside tf.while_loop fails at
+            # run time with "You must feed a value for placeholder tensor
+            # 'while/cond/Placeholder'" (measured on TF 2.21, MirroredStrategy
+            # with 2 replicas; stock Keras 3.15 fails this way). The distributed
+            # Optional passed through the loop is fine.
             if steps_per_execution == 1:
                 return tf.experimental.Optional.from_value(
                     one_step_on_data(iterator.get_next())
@@ -505,7 +517,7 @@ class Keras3TrainerOverrides:
             def body(step, optional_outputs, next_inputs):
                 def has_next():
                     outputs = tf.experimental.Optional.from_value(
-                        one_step_on_data(next_inputs.get_value())
+                        looped_step(next_inputs.get_value())
                     )
                     empty_outputs._element_spec = outputs.element_spec
                     return outputs

@@ -581,24 +581,6 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def _check_strategy(self, method):
         if (
-            not _compat.IS_LEGACY
-            and method in ("fit", "evaluate")
-            and int(self.steps_per_execution) > 1
-            and self.distribute_strategy.num_replicas_in_sync > 1
-        ):
-            # Stock Keras 3.15 fails the same way: its steps_per_execution
-            # loop feeds a distributed Optional through tf.while_loop/tf.cond
-            # ("You must feed a value for placeholder tensor
-            # 'while/cond/Placeholder'").
-            raise NotImplementedError(
-                f"`steps_per_execution={self.steps_per_execution}` with "
-                f"{type(self.distribute_strategy).__name__} "
-                f"({self.distribute_strategy.num_replicas_in_sync} replicas) "
-                f"is not supported on Keras {_compat.KERAS_VERSION} (stock "
-                "Keras fails too). Use steps_per_execution=1, or tf-keras "
-                "(TF_USE_LEGACY_KERAS=1)."
-            )
-        if (
             method in ("fit", "evaluate")
             and _compat.jit_compiled(self)
             and _distribute.cpu_replicas(self.distribute_strategy)

@@ -173,7 +173,7 @@ def killed_worker(cluster, events):
     }
 
 
-def checkpoint_resume(cluster, events, directory):
+def checkpoint_resume(cluster, events, directory, steps_per_execution=1):
     """Stops after step 6 (the checkpoint saves it); a fresh model resumes
     there: epoch 0 step 6, the saved weights and optimizer step."""
     import numpy as np
@@ -188,7 +188,7 @@ def checkpoint_resume(cluster, events, directory):
             if batch == 5:
                 self.model.stop_training = True
 
-    first = _model(strategy)
+    first = _model(strategy, steps_per_execution=steps_per_execution)
     first.fit(
         _batched,
         epochs=2,
@@ -217,7 +217,7 @@ def checkpoint_resume(cluster, events, directory):
         def on_epoch_begin(self, epoch, logs=None):
             restored.setdefault("first_epoch", epoch)
 
-    second = _model(strategy)
+    second = _model(strategy, steps_per_execution=steps_per_execution)
     checkpoint = kh.callbacks.ElasticCheckpoint(directory, save_every=4)
     second.fit(
         _batched,

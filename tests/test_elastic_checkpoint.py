@@ -44,10 +44,10 @@ class StepIds(keras.callbacks.Callback):
         self._mark = len(self.seen)
 
 
-def _model(strategy, seen, seed):
+def _model(strategy, seen, seed, steps_per_execution=1):
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        return helpers.id_model(seen, 0.0)
+        return helpers.id_model(seen, 0.0, steps_per_execution)
 
 
 def _data(strategy, shares=None):
@@ -125,6 +125,46 @@ def test_mid_epoch_resume_continues_exactly(tmp_path, async_save):
     assert len(history.history["loss"]) == 2
     # Same shares restored (the checkpoint carried them).
     np.testing.assert_allclose(second_shares(resumed), [0.75, 0.25])
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_resume_counts_steps_not_calls(tmp_path, steps_per_execution):
+    # Keras calls the batch callbacks once per `steps_per_execution` steps.
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+
+    seen = []
+    first = _model(strategy, seen, 1, steps_per_execution)
+    first.set_weights(initial)
+    first.fit(
+        _data(strategy, [0.75, 0.25]),
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(
+                tmp_path, save_every=steps_per_execution
+            ),
+            StopAfter(2),
+        ],
+    )
+    trained = 2 * steps_per_execution
+    assert checkpointing.read_latest(tmp_path) == (
+        checkpointing.checkpoint_name(trained)
+    )
+    trained_before = list(seen)
+    assert len(trained_before) == trained * BATCH
+
+    seen.clear()
+    second = _model(strategy, seen, 99, steps_per_execution)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path)
+    second.fit(_data(strategy), epochs=2, verbose=0, callbacks=[resumed])
+    epoch0 = trained_before + seen[: ROWS - len(trained_before)]
+    assert sorted(epoch0) == list(range(ROWS))
+    assert sorted(seen[ROWS - len(trained_before) :]) == list(range(ROWS))
+    assert int(second.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
     helpers.assert_weights_close(second.get_weights(), reference.get_weights())
 
 

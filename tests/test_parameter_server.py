@@ -184,8 +184,15 @@ def test_arguments_without_meaning_under_parameter_server_are_refused():
     }
 
 
-def test_elastic_checkpoint_resumes_at_the_saved_step(tmp_path):
-    with _coordinator("checkpoint_resume", (str(tmp_path),)) as (_, _, result):
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_elastic_checkpoint_resumes_at_the_saved_step(
+    tmp_path, steps_per_execution
+):
+    # With 2 steps per closure the stop comes after the closure of steps
+    # 5 and 6: the checkpoint counts steps, not closures.
+    with _coordinator(
+        "checkpoint_resume", (str(tmp_path), steps_per_execution)
+    ) as (_, _, result):
         value = result()
     # The coordinator wrote the parameter servers' variables; the resumed
     # fit starts with them, at epoch 0 step 6 (fresh input: at-least-once).

@@ -87,6 +87,30 @@ def test_stop_action_stops_training_and_rebalance_action_moves_shares():
     assert data.shares[0] > 0.6  # the rebalancer acted at once
 
 
+def test_restored_detector_names_the_device_of_its_events():
+    # ElasticCheckpoint restores the scores with `set_state`; the next event
+    # still names its worker and device.
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, _ = _model(strategy, [0.001, 0.001])
+    data = kh.data.shard(helpers.examples(rows=16 * 6), 16, strategy=strategy)
+    first = kh.callbacks.StragglerDetector(window=3, patience=1)
+    model.fit(data, epochs=1, verbose=0, callbacks=[first])
+    state = first.get_state()
+    assert state["scores"] is not None
+
+    model, _ = _model(strategy, [0.001, 0.004])
+    restored = kh.callbacks.StragglerDetector(window=3, patience=1)
+
+    class Restore(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            restored.set_state(state)
+
+    model.fit(data, epochs=1, verbose=0, callbacks=[restored, Restore()])
+    stragglers = [e for e in restored.events if e.kind == "straggler"]
+    assert [e.replica for e in stragglers] == [1]
+    assert stragglers[0].device.endswith("CPU:1")
+
+
 def test_plain_keras_model_per_worker_individual_score():
     model = helpers.compile_model(keras.Model(*helpers.layers()))
 

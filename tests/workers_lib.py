@@ -4,7 +4,13 @@ They are module-level (picklable) and import TensorFlow only when called.
 """
 
 
-def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
+def train_mwms(
+    shares,
+    epochs=2,
+    sample_weights=False,
+    regularizer=False,
+    steps_per_execution=1,
+):
     """Fit / evaluate / predict a HeteroModel under MultiWorkerMirrored."""
     import helpers
     import tensorflow as tf
@@ -13,7 +19,9 @@ def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = helpers.hetero_model(regularizer=regularizer)
+        model = helpers.hetero_model(
+            regularizer=regularizer, steps_per_execution=steps_per_execution
+        )
     dataset = kh.data.shard(
         helpers.examples(sample_weights=sample_weights),
         helpers.GLOBAL_BATCH,
@@ -42,6 +50,30 @@ def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
         "rows": stats.rows,
         "devices": stats.devices,
         "num_replicas": strategy.num_replicas_in_sync,
+    }
+
+
+def unknown_length_mwms(shares, steps_per_execution):
+    """Fit on examples of unknown length; the weights and steps taken."""
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero import _compat
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = helpers.hetero_model(steps_per_execution=steps_per_execution)
+    examples = helpers.examples().filter(lambda x, y: True)
+    data = kh.data.shard(
+        examples, helpers.GLOBAL_BATCH, strategy=strategy, shares=shares
+    )
+    # tf-keras needs the epoch length of an unknown-length input.
+    kwargs = {"steps_per_epoch": 5} if _compat.IS_LEGACY else {}
+    model.fit(data, epochs=2, verbose=0, **kwargs)
+    return {
+        "weights": model.get_weights(),
+        "iterations": int(model.optimizer.iterations.numpy()),
     }
 
 

@@ -289,10 +289,13 @@ class ElasticCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._raise_writer_error()
-        self._global_step += 1
-        self._step_in_epoch += 1
-        self._examples_in_epoch += self._dataset.global_batch_size or 0
-        self._since_save += 1
+        steps = self._steps_of_call(batch)
+        self._global_step += steps
+        self._step_in_epoch += steps
+        self._examples_in_epoch += steps * (
+            self._dataset.global_batch_size or 0
+        )
+        self._since_save += steps
         if self._stop_requested:
             self.preempted = True
             self.save_now()
@@ -300,6 +303,15 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             return
         if self._chief and self._due():
             self._save(wait=not self.async_save)
+
+    def _steps_of_call(self, batch):
+        """Train steps that the call ending now ran: several with
+        `steps_per_execution > 1`, and fewer at an epoch's end."""
+        if isinstance(self._dataset, ParameterServerInput):
+            # `batch` is the epoch's last scheduled step (step_stats covers
+            # the closures collected, which lag behind).
+            return batch + 1 - self._step_in_epoch
+        return self.model.step_stats.steps
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras also ends an epoch that `stop_training` cut short; only a

@@ -22,7 +22,10 @@ class ShardRebalancer(keras.callbacks.Callback):
     every worker's input pipeline splits every batch the same way and every
     example is still seen exactly once per epoch. When a replica's speed
     changes, the window forgets the old speed within about `window / 2`
-    observations and the shares follow.
+    observations and the shares follow. With `steps_per_execution=k` Keras
+    calls the callback once per call of up to k steps: `every_n_steps` and
+    `warmup_steps` still count steps, and each call is one reading (its
+    rows and seconds summed).
 
     The epoch logs (and so `History` and the progress bar) get
     `share/replica_<i>`. With `fit(verbose=1)` or `2`, each change also

@@ -78,7 +78,9 @@ class StragglerDetector(keras.callbacks.Callback):
         action: One of "warn", "rebalance", "checkpoint", "stop", or a list
             of them. Defaults to `"warn"`.
         on_straggler: Called with every `StragglerEvent`. Defaults to None.
-        window: Steps the median covers. Defaults to `9`.
+        window: Readings the median covers, one per train batch callback
+            (with `steps_per_execution=k`, one per call of up to k steps).
+            Defaults to `9`.
         min_excess_seconds: Compute seconds per step (per execution with
             `steps_per_execution > 1`) a replica must lose before a low
             score counts, >= 0. Defaults to `0.003`.
@@ -231,7 +233,8 @@ class StragglerDetector(keras.callbacks.Callback):
             self._watchdog.step_finished(self._steps)
         if self._scorer is None:
             self._scorer = straggler.Scorer(len(rows), self.window)
-            self._devices = devices
+        # Also after `set_state`, which restores the scorer only.
+        self._devices = devices
         changes = self._scorer.step(
             rows,
             seconds,
@@ -398,10 +401,11 @@ class _Watchdog:
 
     def step_started(self, step):
         with self._lock:
+            previous = self._step
             self._step, self._started = step, time.monotonic()
             if self._first is None:
                 self._first = step
-        _publish(self._task, step)
+        _publish(self._task, step, previous)
 
     def step_finished(self, step):
         with self._lock:
@@ -449,15 +453,16 @@ def _progress_key(task, step):
     return f"keras_hetero/progress/{task}/{step}"
 
 
-def _publish(task, step):
-    """Marks that worker `task` started step `step` (drops the old mark)."""
+def _publish(task, step, previous):
+    """Marks that worker `task` started step `step` and drops its mark of
+    step `previous` (`step - k` with `steps_per_execution=k`; 0: none)."""
     from tensorflow.python.eager import context
 
     try:
         context.context().set_config_key_value(_progress_key(task, step), "1")
-        if step > 1:
+        if previous:
             context.context().delete_config_key_value(
-                _progress_key(task, step - 1)
+                _progress_key(task, previous)
             )
     except Exception:  # no coordination service (single worker)
         pass
