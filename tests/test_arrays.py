@@ -7,6 +7,7 @@ import helpers
 import numpy as np
 import pytest
 import tensorflow as tf
+import workers_lib
 from conftest import DEVICES
 
 import keras_hetero as kh
@@ -401,3 +402,79 @@ def test_small_batch_size_names_the_argument():
         model.fit(x, y, batch_size=2, verbose=0)
     with pytest.raises(ValueError, match="cardinality is ambiguous"):
         model.fit(x, y[:10], verbose=0)
+
+
+@pytest.mark.slow
+def test_multi_worker_array_input_is_exact_and_shuffles_alike():
+    rows = 24 * 10 + 5
+    first, second = (
+        r.value
+        for r in kh.testing.run_workers(
+            workers_lib.arrays_mwms, 2, timeout=300, args=(rows,)
+        )
+    )
+    x, y, weights, ids = helpers.arrays(rows)
+    inputs = {"x": x, "id": ids}
+    # In order: one device on the same global batches (ShardRebalancer
+    # moved rows to worker 1's fast replica meanwhile).
+    reference = helpers.id_model([], 0.0)
+    reference.set_weights(first["initial"])
+    expected = reference.fit(
+        inputs,
+        y,
+        sample_weight=weights,
+        batch_size=24,
+        epochs=2,
+        shuffle=False,
+        validation_split=0.25,
+        verbose=0,
+    ).history
+    evaluation = reference.evaluate(
+        inputs, y, sample_weight=weights, return_dict=True, verbose=0
+    )
+    predictions = reference.predict(inputs, verbose=0)
+    for value in (first, second):
+        assert value["changes"] >= 1
+        assert value["shares"][1] > 0.6
+        helpers.assert_weights_close(value["weights"], reference.get_weights())
+        for key in ("loss", "val_loss"):
+            assert value["history"][key] == pytest.approx(
+                expected[key], rel=1e-5
+            )
+        assert value["evaluate"]["loss"] == pytest.approx(
+            evaluation["loss"], rel=1e-5
+        )
+        np.testing.assert_allclose(
+            value["predict"], predictions, rtol=1e-5, atol=1e-6
+        )
+    # Shuffled: one seed for both workers although their random states
+    # differ; every example once per epoch across the workers' replicas.
+    assert first["seed"] == second["seed"]
+    steps = [
+        sorted(a + b)
+        for a, b in zip(first["shuffled_steps"], second["shuffled_steps"])
+    ]
+    per_epoch = len(steps) // 2
+    orders = [
+        [
+            row
+            for step in steps[e * per_epoch : (e + 1) * per_epoch]
+            for row in step
+        ]
+        for e in range(2)
+    ]
+    for order in orders:
+        assert sorted(order) == list(range(rows))
+    assert orders[0] != orders[1]
+    # kh.data.shard(shuffle=10) without seed: worker 0's rows come first in
+    # each global batch of one shuffled order, the same on both workers.
+    batches = [
+        a[0] + b[0] for a, b in zip(first["shard_steps"], second["shard_steps"])
+    ]
+    passes = [
+        [row for batch in batches[p * 11 : (p + 1) * 11] for row in batch]
+        for p in range(2)
+    ]
+    for order in passes:
+        assert sorted(order) == list(range(rows))
+    assert passes[0] != passes[1] != list(range(rows))
