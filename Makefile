@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/input.py
+	$(BIN)/python benchmarks/arrays.py
 	$(BIN)/python benchmarks/placement.py
 
 ## The documentation site (mkdocs.yml, docs/) into site/; warnings fail.
