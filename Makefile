@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/input.py
+	$(BIN)/python benchmarks/arrays.py
 	$(BIN)/python benchmarks/placement.py
 	$(BIN)/python benchmarks/steps_per_execution.py
 

@@ -614,3 +614,45 @@ class _NoTrainerOverrides:
 
 
 TrainerOverrides = _NoTrainerOverrides if IS_LEGACY else Keras3TrainerOverrides
+
+
+def class_weight_map_fn(class_weight):
+    """Keras' own `class_weight` -> sample weights map for dataset batches.
+
+    `fit(dataset, class_weight=...)` maps the dataset with it; a
+    distributed dataset has no `map` (both flavours fail with
+    "'DistributedDatasetsFromFunction' object has no attribute 'map'"), so
+    a HeteroDataset applies it itself. Keras 3 refuses `class_weight` with
+    sample weights in the data and gives classes missing from the dict the
+    weight 1; tf-keras multiplies them and wants every class a key.
+    """
+    if IS_LEGACY:
+        return _data_adapter._make_class_weight_map_fn(class_weight)
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+
+    return tf_dataset_adapter.make_class_weight_map_fn(class_weight)
+
+
+def array_class_weights(y, sample_weight, class_weight):
+    """Per-example weights for array input, as each flavour's `fit` makes
+    them from `class_weight` (Keras 3: `class_weight_to_sample_weights`,
+    an error together with `sample_weight`; tf-keras: its dataset map on
+    the arrays, multiplied with `sample_weight`)."""
+    if IS_LEGACY:
+        tensor = tf.convert_to_tensor(y)
+        data = (
+            (tensor, tensor)
+            if sample_weight is None
+            else (
+                tensor,
+                tensor,
+                tf.convert_to_tensor(sample_weight),
+            )
+        )
+        _, _, weights = class_weight_map_fn(class_weight)(*data)
+        return weights.numpy()
+    if sample_weight is not None:
+        raise ValueError(
+            "You cannot `class_weight` and `sample_weight` at the same time."
+        )
+    return _data_adapter_utils.class_weight_to_sample_weights(y, class_weight)

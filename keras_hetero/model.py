@@ -32,6 +32,7 @@ from keras_hetero import precision as precision_lib
 from keras_hetero import telemetry
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 
 PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
@@ -495,8 +496,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 )
                 checkpoints[0]._restore(self, options)
             return runner.fit(**options)
+        converted = arrays.fit_arguments(self, x, y, args, kwargs)
+        if converted is not None:
+            x, y, args, kwargs = converted.pop("x"), None, (), converted
         dataset = x
+        class_weight = None
         if isinstance(x, HeteroDataset):
+            # Applied by the HeteroDataset: Keras would `.map` the
+            # distributed dataset, which has no `map`.
+            class_weight = kwargs.pop("class_weight", None)
             # Global batches keep their order; shuffle the examples instead.
             kwargs.setdefault("shuffle", False)
             if _compat.IS_LEGACY:
@@ -512,7 +520,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _check_batch_normalization(self, dataset, kwargs.get("callbacks"))
         _check_microbatch_statistics(self)
         _compat.fix_synchronized_batch_norm(self)
-        x = self._as_input(x, repeat=_compat.IS_LEGACY)
+        _attach_input(kwargs.get("callbacks"), dataset, self)
+        x = self._as_input(
+            x, repeat=_compat.IS_LEGACY, class_weight=class_weight
+        )
         validation = kwargs.get("validation_data")
         if isinstance(validation, HeteroDataset):
             if _compat.IS_LEGACY:
@@ -526,8 +537,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if len(checkpoints) > 1 or not isinstance(dataset, HeteroDataset):
             raise ValueError(
                 "ElasticCheckpoint needs exactly one ElasticCheckpoint in "
-                "`callbacks` and a `kh.data.HeteroDataset` as `x` (it "
-                "restores the data position). Received "
+                "`callbacks` and a `kh.data.HeteroDataset` or numpy arrays "
+                "as `x` (it restores the data position). Received "
                 f"{len(checkpoints)} ElasticCheckpoint(s) and x of type "
                 f"{type(dataset).__name__}."
             )
@@ -555,6 +566,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 return logs
             values = list(logs.values())  # loss first, then the metrics
             return values[0] if len(values) == 1 else values
+        converted = arrays.evaluate_arguments(self, x, y, args, kwargs)
+        if converted is not None:
+            x, y, args, kwargs = converted.pop("x"), None, (), converted
         if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
@@ -574,6 +588,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 batch_size=given.get("batch_size"),
                 steps=given.get("steps"),
             )
+        converted = arrays.predict_arguments(self, x, args, kwargs)
+        if converted is not None:
+            x, args, kwargs = converted.pop("x"), (), converted
         if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
@@ -610,10 +627,20 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "strategy.scope():` of the strategy you train with."
             )
 
-    def _as_input(self, x, repeat=False):
+    def _as_input(self, x, repeat=False, class_weight=None):
         if not isinstance(x, HeteroDataset):
             return x
         strategy = self.distribute_strategy
+        if x.strategy is not strategy and type(x.strategy) is type(strategy):
+            raise ValueError(
+                "Invalid value for argument `x`: a HeteroDataset sharded for "
+                f"another {type(strategy).__name__} instance "
+                f"({x.num_replicas} replicas) than the one `{self.name}` runs "
+                f"under ({strategy.num_replicas_in_sync} replicas): the split "
+                "is bound to the strategy object. Pass "
+                "`strategy=model.distribute_strategy` to `kh.data.shard` (or "
+                "call it inside the model's `strategy.scope()`)."
+            )
         if x.strategy is not strategy:
             raise ValueError(
                 "Invalid value for argument `x`: a HeteroDataset sharded for "
@@ -623,7 +650,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "`strategy=` to `kh.data.shard` (or call it inside the "
                 "model's `strategy.scope()`)."
             )
-        return x.as_distributed_dataset(repeat=repeat)
+        return x.as_distributed_dataset(
+            repeat=repeat, class_weight=class_weight
+        )
 
     # --- config ------------------------------------------------------------
 
@@ -935,6 +964,15 @@ def _observers_last(callbacks):
     for observer in observers:
         observer._observe(others)
     return others + observers
+
+
+def _attach_input(callbacks, dataset, model):
+    """Hands `fit`'s input to the `ShardRebalancer`s made without one."""
+    from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
+
+    for callback in callbacks or ():
+        if isinstance(callback, ShardRebalancer):
+            callback._attach(dataset, model)
 
 
 def _elastic_checkpoints(callbacks):

@@ -429,3 +429,42 @@ def test_resume_with_another_global_batch_scales_the_learning_rate(
 def test_bad_resize_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="resize='shrink'"):
         kh.callbacks.ElasticCheckpoint(tmp_path, resize="shrink")
+
+
+def test_shuffled_array_input_resumes_with_the_epoch_order(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    x, y, _, ids = helpers.arrays(ROWS)
+    inputs = {"x": x, "id": ids}
+
+    def fit(model, seen, callbacks):
+        steps = StepIds(seen)
+        model.fit(
+            inputs,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[*callbacks, steps],
+        )
+        return steps.steps
+
+    seen = []
+    reference = _model(strategy, seen, seed=1)
+    initial = reference.get_weights()
+    expected = fit(reference, seen, [])
+
+    seen = []
+    first = _model(strategy, seen, seed=1)
+    first.set_weights(initial)
+    ckpt = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1)
+    before = fit(first, seen, [ckpt, StopAfter(13)])  # epoch 1, step 3
+    # A new process: other random state, so another shuffle seed would be
+    # drawn; the checkpoint's seed and pass give the epoch its order back.
+    seen = []
+    second = _model(strategy, seen, seed=99)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path)
+    after = fit(second, seen, [resumed])
+    assert resumed.restored_from is not None
+    assert expected[0] != expected[10]  # the epochs' orders differ
+    assert before + after == expected  # the same global batches
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
