@@ -312,8 +312,8 @@ def shared_file_paths(callback):
     `.bkp` copies) from `backup_dir` in `__init__`, so those attributes are
     taken too: every string attribute inside `backup_dir`. tf-keras' own
     `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore` write from the
-    chief only (`tf_keras/src/distribute/distributed_file_utils.py`); its
-    `CSVLogger` has no such logic either.
+    chief only (`tf_keras/src/distribute/distributed_file_utils.py`), but
+    its `CSVLogger` writes from every worker too (rows once per worker).
 
     Returns:
         `{attribute name: path}`, empty for callbacks that need nothing.
@@ -328,13 +328,13 @@ def shared_file_paths(callback):
     if isinstance(callback, callbacks.TensorBoard):
         return {"log_dir": callback.log_dir}
     if isinstance(callback, callbacks.BackupAndRestore):
-        root = str(callback.backup_dir)
-        inside = root.rstrip("/") + "/"
+        root = str(callback.backup_dir).rstrip("/\\")
         return {
             name: value
             for name, value in vars(callback).items()
             if isinstance(value, str)
-            and (value == root or value.startswith(inside))
+            and value.startswith(root)
+            and value[len(root) :][:1] in ("", "/", "\\")
         }
     return {}
 
