@@ -367,6 +367,75 @@ def checkpoint_variables(model):
     return names, unique
 
 
+def shared_file_paths(callback):
+    """The paths a Keras callback writes on every worker, by attribute.
+
+    Keras 3.15's `ModelCheckpoint` (`filepath`), `TensorBoard` (`log_dir`),
+    `CSVLogger` (`filename`) and `BackupAndRestore` have no chief/worker
+    logic: under MultiWorkerMirroredStrategy every worker writes the same
+    paths (h5 files then fail to lock, `BlockingIOError`). `BackupAndRestore`
+    derives its files (`_weights_path`, `_training_metadata_path` and their
+    `.bkp` copies) from `backup_dir` in `__init__`, so those attributes are
+    taken too: every string attribute inside `backup_dir`. tf-keras' own
+    `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore` write from the
+    chief only (`tf_keras/src/distribute/distributed_file_utils.py`), but
+    its `CSVLogger` writes from every worker too (rows once per worker).
+
+    Returns:
+        `{attribute name: path}`, empty for callbacks that need nothing.
+    """
+    callbacks = keras.callbacks
+    if isinstance(callback, callbacks.CSVLogger):
+        return {"filename": callback.filename}
+    if IS_LEGACY:
+        return {}
+    if isinstance(callback, callbacks.ModelCheckpoint):
+        return {"filepath": callback.filepath}
+    if isinstance(callback, callbacks.TensorBoard):
+        return {"log_dir": callback.log_dir}
+    if isinstance(callback, callbacks.BackupAndRestore):
+        root = str(callback.backup_dir).rstrip("/\\")
+        return {
+            name: value
+            for name, value in vars(callback).items()
+            if isinstance(value, str)
+            and value.startswith(root)
+            and value[len(root) :][:1] in ("", "/", "\\")
+        }
+    return {}
+
+
+def restores_from_files(callback):
+    """Whether `callback` reads back at `fit` start what it wrote before.
+
+    Keras 3's `BackupAndRestore` loads `latest.weights.h5` and
+    `training_metadata.json` in `on_train_begin`.
+    """
+    return not IS_LEGACY and isinstance(
+        callback, keras.callbacks.BackupAndRestore
+    )
+
+
+def backup_resume_epoch(model, steps_per_epoch, initial_epoch):
+    """The epoch a `fit` loop starts at once `on_train_begin` has run.
+
+    Keras' `BackupAndRestore` restores in `on_train_begin` and hands the
+    epoch to the `fit` loop: Keras 3.15 through `model._initial_epoch` (its
+    loop reads `self._initial_epoch or initial_epoch`), tf-keras through
+    `model._training_state` (its loop calls
+    `_maybe_load_initial_counters_from_ckpt`). HeteroModel's
+    parameter-server loop asks the same way.
+    """
+    if IS_LEGACY:
+        if getattr(model, "_training_state", None) is None:
+            return initial_epoch
+        epoch, _ = model._maybe_load_initial_counters_from_ckpt(
+            steps_per_epoch, initial_epoch
+        )
+        return epoch
+    return model._initial_epoch or initial_epoch
+
+
 class _ResumePoint:
     """Stands in for tf-keras' `model._training_state`: tells `fit` which
     epoch and step to start at, once (tf-keras asks after `on_train_begin`).

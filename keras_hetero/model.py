@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import _multi_worker_callbacks
 from keras_hetero import accumulation
 from keras_hetero import aggregation
 from keras_hetero import loss_scale as loss_scale_lib
@@ -475,6 +476,14 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         return None if scale is None else float(scale.scale.numpy())
 
     def fit(self, x=None, y=None, *args, **kwargs):
+        # Keras' own file-writing callbacks write from the chief only.
+        undo = _multi_worker_callbacks.prepare(self, kwargs.get("callbacks"))
+        try:
+            return self._fit(x, y, *args, **kwargs)
+        finally:
+            undo()
+
+    def _fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
         if isinstance(kwargs.get("callbacks"), (list, tuple)):
             kwargs["callbacks"] = _observers_last(kwargs["callbacks"])

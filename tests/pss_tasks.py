@@ -236,3 +236,66 @@ def checkpoint_resume(cluster, events, directory, steps_per_execution=1):
         "final_iterations": int(second.optimizer.iterations.numpy()),
         "restored_from": str(checkpoint.restored_from),
     }
+
+
+def keras_callbacks_resume(cluster, events, directory):
+    """Keras' BackupAndRestore, ModelCheckpoint and CSVLogger on the
+    coordinator: a fit interrupted at epoch 2 (an error, as in Keras'
+    BackupAndRestore example) and run again resumes at epoch 2."""
+    import os
+
+    from keras_hetero._compat import keras
+
+    strategy = _strategy(cluster)
+    begun = []
+
+    class Interrupt(keras.callbacks.Callback):
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def on_epoch_begin(self, epoch, logs=None):
+            begun.append(epoch)
+            if epoch == self.at:
+                raise RuntimeError("Interrupting!")
+
+    def fit(interrupt_at):
+        model = _model(strategy)
+        callbacks = [
+            keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(directory, "checkpoints", "{epoch}.keras")
+            ),
+            keras.callbacks.CSVLogger(
+                os.path.join(directory, "log.csv"), append=True
+            ),
+            Interrupt(interrupt_at),
+        ]
+        model.fit(
+            _batched,
+            epochs=4,
+            steps_per_epoch=5,
+            verbose=0,
+            callbacks=callbacks,
+        )
+        return model
+
+    try:
+        fit(interrupt_at=2)
+    except RuntimeError:
+        pass
+    interrupted = list(begun)
+    model = fit(interrupt_at=None)
+    with open(os.path.join(directory, "log.csv")) as f:
+        logged = [line.split(",")[0] for line in f.read().splitlines()[1:]]
+    return {
+        "interrupted": interrupted,
+        "resumed": begun[len(interrupted) :],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "files": sorted(
+            os.path.relpath(os.path.join(parent, name), directory)
+            for parent, _, names in os.walk(directory)
+            for name in names
+        ),
+        "logged_epochs": logged,
+    }

@@ -201,3 +201,25 @@ def test_elastic_checkpoint_resumes_at_the_saved_step(
     assert (value["first_epoch"], value["first_batch"]) == (0, 6)
     assert value["final_iterations"] == 20  # 6 + the 4 left + 10
     assert str(tmp_path) in value["restored_from"]
+
+
+def test_keras_callbacks_on_the_coordinator_resume_at_the_epoch(tmp_path):
+    with _coordinator("keras_callbacks_resume", (str(tmp_path),)) as (
+        _,
+        _,
+        result,
+    ):
+        value = result()
+    # Only the coordinator runs callbacks (it writes every file); the
+    # restored epoch reaches the parameter-server loop.
+    assert value["interrupted"] == [0, 1, 2]
+    assert value["resumed"] == [2, 3]
+    assert value["iterations"] == 4 * 5  # 2 epochs restored + 2 run
+    assert value["files"] == [
+        "checkpoints/1.keras",
+        "checkpoints/2.keras",
+        "checkpoints/3.keras",
+        "checkpoints/4.keras",
+        "log.csv",
+    ]  # the backup is deleted at the end
+    assert value["logged_epochs"] == ["0", "1", "2", "3"]
