@@ -488,6 +488,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if isinstance(kwargs.get("callbacks"), (list, tuple)):
             kwargs["callbacks"] = _observers_last(kwargs["callbacks"])
         if _distribute.is_parameter_server(self.distribute_strategy):
+            x, kwargs = _per_worker_input(
+                x, kwargs, "steps_per_epoch", "validation_steps"
+            )
             options = _parameter_server_arguments("fit", x, y, args, kwargs)
             runner = self._parameter_server()
             checkpoints = _elastic_checkpoints(options.get("callbacks"))
@@ -566,6 +569,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
         if _distribute.is_parameter_server(self.distribute_strategy):
+            x, kwargs = _per_worker_input(x, kwargs, "steps")
             options = _parameter_server_arguments(
                 "evaluate", x, y, args, kwargs
             )
@@ -892,14 +896,24 @@ def _parameter_server_arguments(method, x, y, args, kwargs):
     options = {name: given[name] for name in supported if name in given}
     if method == "evaluate":
         options.setdefault("return_dict", False)
-    if isinstance(options.get("x"), HeteroDataset):
-        raise ValueError(
-            "A `kh.data.HeteroDataset` splits global batches between "
-            "replicas that step together; under ParameterServerStrategy each "
-            "worker steps on its own. Pass a `dataset_fn(input_context)` or "
-            "a batched `tf.data.Dataset` instead."
-        )
     return options
+
+
+def _per_worker_input(x, kwargs, steps, validation_steps=None):
+    """`x` (and `validation_data`) as ParameterServerStrategy takes them: a
+    HeteroDataset becomes its `parameter_server_dataset()`, and its global
+    batches per epoch the default step count."""
+    kwargs = dict(kwargs)
+    if isinstance(x, HeteroDataset):
+        if kwargs.get(steps) is None and x.num_batches is not None:
+            kwargs[steps] = x.num_batches
+        x = x.parameter_server_dataset()
+    validation = kwargs.get("validation_data")
+    if validation_steps and isinstance(validation, HeteroDataset):
+        if kwargs.get(validation_steps) is None:
+            kwargs[validation_steps] = validation.num_batches
+        kwargs["validation_data"] = validation.parameter_server_dataset()
+    return x, kwargs
 
 
 def _check_batch_normalization(model, dataset, callbacks):

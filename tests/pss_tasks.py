@@ -98,6 +98,35 @@ def fit_evaluate_save(cluster, events, directory):
     }
 
 
+def sharded_input(cluster, events):
+    """`kh.data.shard` (shuffled) as fit / evaluate input: one global batch
+    per step, every global batch's rows once per pass of both workers."""
+    import helpers
+
+    import keras_hetero as kh
+
+    strategy = _strategy(cluster)
+    model = _model(strategy)
+
+    def dataset():
+        return kh.data.shard(
+            helpers.examples(), 16, strategy=strategy, shuffle=True, seed=9
+        )
+
+    before = model.evaluate(dataset(), return_dict=True, verbose=0)
+    history = model.fit(dataset(), epochs=3, verbose=0)
+    telemetry = model._hetero.parameter_server.telemetry
+    after = model.evaluate(dataset(), return_dict=True, verbose=0)
+    return {
+        "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "before": before["loss"],
+        "after": after["loss"],
+        "steps_per_worker": telemetry.steps_per_worker.tolist(),
+        "rows": model.step_stats.rows.tolist(),
+    }
+
+
 def slow_worker(cluster, events):
     """Worker 1 is 20x slower (simulated): flagged, and does fewer steps."""
     import keras_hetero as kh

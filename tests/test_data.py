@@ -268,3 +268,25 @@ def test_other_tf_data_methods_say_what_to_use_instead(method, advice):
     assert not hasattr(dataset, method)
     with pytest.raises(AttributeError, match="no attribute 'spam'"):
         dataset.spam  # noqa: B018
+
+
+def _batches(dataset, count):
+    return [np.asarray(x) for x, _ in dataset.take(count).as_numpy_iterator()]
+
+
+@pytest.mark.parametrize("shuffle", [None, True])
+def test_parameter_server_dataset_is_the_one_device_batch_stream(shuffle):
+    # 72 examples in global batches of 16: 5 per pass (the last of 8 rows).
+    seed = 5 if shuffle else None
+    one_device = kh.data.shard(
+        helpers.examples(), 16, shuffle=shuffle, seed=seed
+    ).as_distributed_dataset()
+    expected = _batches(one_device, 5) + _batches(one_device, 5)
+    stream = kh.data.shard(
+        helpers.examples(), 16, shuffle=shuffle, seed=seed
+    ).parameter_server_dataset()
+    got = _batches(stream, 10)
+    for g, w in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(g, w)
+    if shuffle:
+        assert not np.array_equal(expected[0], expected[5])

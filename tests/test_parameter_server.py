@@ -125,6 +125,19 @@ def test_fit_evaluate_save_load_and_per_worker_telemetry(tmp_path):
     assert value["twice_iterations"] == 6
 
 
+def test_kh_data_shard_input():
+    with _coordinator("sharded_input") as (_, _, result):
+        value = result()
+    # 72 examples in global batches of 16: 5 steps an epoch by default.
+    assert value["iterations"] == 15, value
+    assert sum(value["steps_per_worker"]) == 15
+    assert min(value["steps_per_worker"]) > 0, value
+    assert len(value["loss"]) == 3 and np.all(np.isfinite(value["loss"]))
+    assert value["after"] < 0.8 * value["before"], value
+    # A step is one whole global batch (16 rows, or a pass's last 8).
+    assert sum(value["rows"]) % 8 == 0 and sum(value["rows"]) > 0, value
+
+
 def test_slow_worker_is_flagged_and_does_fewer_steps():
     with _coordinator("slow_worker") as (_, _, result):
         value = result()

@@ -253,6 +253,59 @@ class HeteroDataset:
             self._distributed[key] = distributed
         return self._distributed[key]
 
+    def parameter_server_dataset(self):
+        """The global batches as ParameterServerStrategy takes them.
+
+        Under ParameterServerStrategy each worker steps on its own (there
+        are no replicas in sync to split a batch between), so a step is one
+        whole global batch. Each worker iterates its own copy of the global
+        batches, pass after pass, in the order one device would see them
+        (shuffled by `(seed, pass)` as under any other strategy), as it
+        would a batched `tf.data.Dataset`: over a run each worker trains on
+        every batch, and an "epoch" of `num_batches` steps is not exactly
+        once across workers (docs/strategies.md). `shares` do not apply;
+        `map_fn` runs on the worker, on each batch. `HeteroModel.fit` /
+        `evaluate` call this for you.
+
+        Returns:
+            An endless, batched `tf.data.Dataset`.
+
+        Raises:
+            ValueError: If the examples are not a `tf.data.Dataset` (array
+                input is converted by `fit` first).
+        """
+        examples = getattr(self._source, "examples", None)
+        if examples is None:
+            raise ValueError(
+                "Under ParameterServerStrategy a `kh.data.HeteroDataset` "
+                "needs `tf.data.Dataset` examples (workers run the input "
+                "pipeline without Python)."
+            )
+        self._order.choose_seed(self.strategy)
+        shuffle, seed = self.shuffling, self._order.seed
+        buffer = self.num_examples if shuffle is True else shuffle
+
+        def one_pass(number):
+            passed = examples
+            if shuffle is not None:
+                # As in `_DatasetSource.pass_batches`: the order is then a
+                # function of the pass seed alone.
+                tf.random.set_seed(_GRAPH_SEED)
+                passed = passed.shuffle(
+                    buffer,
+                    seed=_tf_pass_seed(seed, number),
+                    reshuffle_each_iteration=False,
+                )
+            return passed.batch(self.global_batch_size)
+
+        dataset = tf.data.Dataset.range(self._order.next_pass, 2**62)
+        dataset = dataset.flat_map(one_pass)
+        if self._map_fn is not None:
+            dataset = dataset.map(self._map_fn)
+        if self._options is not None:
+            dataset = dataset.with_options(self._options)
+        return dataset
+
     # --- tf.data methods --------------------------------------------------
 
     def with_options(self, options, name=None):
@@ -483,10 +536,23 @@ class _PassOrder:
             return number, self.seed
 
 
+# `pass_seed(seed, p) = (seed * A + p * B + 1) mod M`: simple enough to compute
+# in TensorFlow ops too (`_tf_pass_seed`), for pipelines that run without
+# Python (parameter-server workers), so every strategy sees the same orders.
+_SEED_MODULUS, _SEED_FACTOR, _PASS_FACTOR = 2147483647, 48271, 69621
+
+
 def pass_seed(seed, pass_number):
     """A 31-bit integer that is a function of `(seed, pass_number)`."""
-    rng = np.random.default_rng([int(seed), int(pass_number)])
-    return int(rng.integers(1, 2**31 - 1))
+    mixed = (int(seed) % _SEED_MODULUS) * _SEED_FACTOR
+    return (mixed + int(pass_number) * _PASS_FACTOR + 1) % _SEED_MODULUS
+
+
+def _tf_pass_seed(seed, pass_number):
+    """`pass_seed` of a tensor `pass_number`, as an int64 tensor."""
+    mixed = tf.constant((int(seed) % _SEED_MODULUS) * _SEED_FACTOR, tf.int64)
+    mixed += tf.cast(pass_number, tf.int64) * _PASS_FACTOR + 1
+    return mixed % _SEED_MODULUS
 
 
 class _DatasetSource:
