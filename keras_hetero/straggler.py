@@ -16,13 +16,26 @@ recent costs:
 
 Both are in (0, 1]; 1 is "as fast as it gets".
 
-A low score counts only when it costs time beyond the noise: the replica's
-excess, (its median cost - the cost it is compared with) * its rows in the
-latest step, must exceed `min_excess_seconds` and `NOISE_MADS` median
-absolute deviations of the window's step times (all replicas pooled).
-Small steps on a busy machine need this: there a 3 ms step takes 8 ms
-whenever the scheduler gives its core away for a time slice, for one
-replica and not the other, for several steps in a row.
+A replica becomes a straggler only when its low score also costs time
+beyond the noise. Its excess is (its current cost - the cost it is compared
+with) * its rows in the latest step; its current cost is the lower of its
+median and its latest reading (slow over the window but not now is not
+slow now), the compared cost the best replica's median (relative score) or
+its own median times its individual score. The excess must exceed the
+noise floor, the largest of `min_excess_seconds`, `NOISE_MADS` median
+absolute deviations of the window's step times (all replicas pooled: the
+usual jitter) and `NOISE_MEANS` times `ScoreState.noise` (how often and by
+how much steps get delayed here, over the last ~1 / `NOISE_DECAY` steps).
+The floor guards the alarm only: a straggler recovers when its scores are
+back above the thresholds, so a real one does not flap when noise rises.
+
+Why: on a loaded 2-core machine (two equal logical CPUs, measured by
+benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
+gives its core away for a time slice, for one replica and not the other,
+several steps in a row; and the whole machine's pace drifts 2x within a
+run, so a replica's luckiest window (its baseline) is far from its usual
+pace. Without the floor and the common-mode division, two equal replicas
+were flagged 36-106 times per 1000-1200 steps.
 """
 
 import dataclasses
@@ -36,18 +49,26 @@ from keras_hetero import rebalance
 # while a real slowdown is flagged within `window / 2 + patience` steps.
 BASELINE_RELAX = 0.001
 
-# Seconds of compute a replica must lose per step, against the replica it is
-# compared with or its own baseline, before a low score counts. Steps of a
-# few ms on a busy 2-core machine lost 1-5 ms to scheduling alone (measured
-# on two equal logical CPUs; benchmarks/straggler.py); real stragglers of
-# interest lose far more.
+# Default least excess (seconds per step) a straggler must cost. The window
+# medians of two equal replicas on a quiet 2-core machine differ by up to
+# 1.5 ms (3 ms steps); sub-millisecond steps differ by a systematic 0.05 ms.
 MIN_EXCESS_SECONDS = 0.003
 
 # The excess must also exceed this many median absolute deviations of the
-# window's step times: the noise floor of the machine as measured now
-# (about 7 standard deviations of Gaussian noise; scheduling noise has far
-# heavier tails).
+# window's step times (about 7 standard deviations of Gaussian noise;
+# scheduling noise has far heavier tails)...
 NOISE_MADS = 10.0
+
+# ... and this many times `ScoreState.noise`, the mean deviation of a step
+# from its replica's median. The median deviation misses delays that hit
+# fewer than half of the steps; the mean counts them, weighted by how often
+# they come. Each deviation is capped at the replica's median step time, so
+# a lone stall (the first step, an epoch's first batch) or the onset of a
+# real slowdown moves the mean little.
+NOISE_MEANS = 6.0
+
+# Weight of the newest step in `ScoreState.noise` (memory ~50 steps).
+NOISE_DECAY = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +106,8 @@ class ScoreState:
         above: Consecutive evaluations at or above it, per replica.
         flagged: Whether each replica is currently a straggler.
         rows: Rows of each replica in the latest reading (0 before any).
+        noise: Exponential average (weight `NOISE_DECAY`) of the steps'
+            mean deviation from their replica's median, in seconds.
     """
 
     readings: np.ndarray
@@ -94,6 +117,7 @@ class ScoreState:
     above: np.ndarray
     flagged: np.ndarray
     rows: np.ndarray
+    noise: float = 0.0
 
     @classmethod
     def empty(cls, num_replicas, window):
@@ -122,10 +146,12 @@ class ScoreState:
             below=np.asarray(data["below"], np.int64),
             above=np.asarray(data["above"], np.int64),
             flagged=np.asarray(data["flagged"], bool),
-            # States saved before `rows` existed: the next reading sets it.
+            # States saved before `rows` and `noise` existed: the next
+            # reading sets `rows`, and `noise` starts afresh.
             rows=np.asarray(
                 data.get("rows", np.zeros(len(data["flagged"]))), np.float64
             ),
+            noise=float(data.get("noise", 0.0)),
         )
 
 
@@ -159,24 +185,30 @@ def scores(state, cost=None):
     return relative, individual
 
 
-def noise_seconds(state, cost=None):
-    """Median absolute deviation of the window's step times, pooled.
+def noise_floor(state, cost, min_excess_seconds):
+    """`(floor, noise)`: the excess a low score needs, and the new noise.
 
-    Each reading's distance from its replica's median cost, times the
-    replica's rows in the latest reading; replicas without rows are left
-    out. 0.0 when there is nothing to measure.
+    `noise` is `state.noise` updated with the latest reading's deviations.
     """
-    cost = current_costs(state) if cost is None else cost
     rows = state.rows
+    scored = rows > 0
     deviation = np.abs(state.readings - cost) * rows
-    known = deviation[:, rows > 0]
-    return _sorted_median(np.sort(known[~np.isnan(known)]))
+    pooled = deviation[:, scored]
+    pooled = np.sort(pooled[~np.isnan(pooled)])
+    mad = _sorted_median(pooled) if pooled.size else 0.0
+    newest = state.readings[-1]
+    latest = np.minimum(np.abs(newest - cost), cost) * rows
+    latest = latest[scored & ~np.isnan(latest)]
+    noise = state.noise
+    if latest.size:
+        mean = math.fsum(latest.tolist()) / latest.size
+        noise = noise + NOISE_DECAY * (mean - noise)
+    floor = max(min_excess_seconds, NOISE_MADS * mad, NOISE_MEANS * noise)
+    return floor, noise
 
 
 def _sorted_median(ordered):
-    """Median of a sorted 1-D array (0.0 if empty), as `_median` computes."""
-    if not ordered.size:
-        return 0.0
+    """Median of a sorted, non-empty 1-D array, as `_median` computes it."""
     middle, odd = divmod(len(ordered), 2)
     if odd:
         return float(ordered[middle])
@@ -194,12 +226,13 @@ def evaluate(
     """Scores the window and updates flags.
 
     A replica is low when its individual score is below `threshold` or its
-    relative score below `relative_threshold` (`threshold` if None), in
-    either case with an excess time (see the module docstring) above
-    `min_excess_seconds` and `NOISE_MADS` times `noise_seconds`. It is
-    flagged after `patience` consecutive low evaluations and recovers after
-    `patience` consecutive evaluations that are not. Nothing is scored
-    until the window is full once.
+    relative score below `relative_threshold` (`threshold` if None). It is
+    flagged after `patience` consecutive low evaluations, each with an
+    excess time above the noise floor (see the module docstring;
+    `min_excess_seconds` is its least value), and recovers after `patience`
+    consecutive evaluations that are not low, whatever the noise: the floor
+    guards the alarm, not the all-clear, so a straggler on a noisy machine
+    does not flap. Nothing is scored until the window is full once.
 
     Returns:
         `(new_state, changes)`, `changes` a list of
@@ -210,25 +243,30 @@ def evaluate(
         return state, []
     cost = current_costs(state)
     relative, individual = scores(state, cost)
-    floor = max(min_excess_seconds, NOISE_MADS * noise_seconds(state, cost))
+    floor, noise = noise_floor(state, cost, min_excess_seconds)
     best = np.fmin.reduce(cost)
     # The baseline is the lowest median seen, relaxed upward a little each
     # evaluation: over a long run the noise's luckiest window would
     # otherwise become the yardstick and flag ordinary jitter.
     # (fmin skips NaN: a replica's first median becomes its baseline.)
     baseline = np.fmin(state.baseline * (1.0 + BASELINE_RELAX), cost)
-    # NaN (no reading) compares False: not low.
     if relative_threshold is None:
         relative_threshold = threshold
+    newest = state.readings[-1]
+    current = np.where(newest < cost, newest, cost)
+    # NaN (no reading) compares False: not low.
     with np.errstate(invalid="ignore"):
-        relative_excess = (cost - best) * state.rows
-        individual_excess = cost * (1.0 - individual) * state.rows
-    low = ((relative < relative_threshold) & (relative_excess > floor)) | (
-        (individual < threshold) & (individual_excess > floor)
+        relative_excess = (current - best) * state.rows
+        individual_excess = (current - cost * individual) * state.rows
+    slow = relative < relative_threshold
+    lost = individual < threshold
+    costly = (slow & (relative_excess > floor)) | (
+        lost & (individual_excess > floor)
     )
+    flagged = state.flagged
+    low = np.where(flagged, slow | lost, costly)
     below = np.where(low, state.below + 1, 0)
     above = np.where(low, 0, state.above + 1)
-    flagged = state.flagged
     starts = ~flagged & (below >= patience)
     ends = flagged & (above >= patience)
     changes = []
@@ -244,7 +282,12 @@ def evaluate(
                 )
             )
     new_state = dataclasses.replace(
-        state, baseline=baseline, below=below, above=above, flagged=flagged
+        state,
+        baseline=baseline,
+        below=below,
+        above=above,
+        flagged=flagged,
+        noise=noise,
     )
     return new_state, changes
 
@@ -278,6 +321,7 @@ class Scorer:
         self.above = [0] * num_replicas
         self.flagged = [False] * num_replicas
         self.rows = [0.0] * num_replicas
+        self.noise = 0.0
 
     @classmethod
     def from_state(cls, state):
@@ -291,6 +335,7 @@ class Scorer:
         scorer.above = [int(v) for v in state.above]
         scorer.flagged = [bool(v) for v in state.flagged]
         scorer.rows = [float(v) for v in state.rows]
+        scorer.noise = float(state.noise)
         return scorer
 
     def state(self):
@@ -303,6 +348,7 @@ class Scorer:
             above=np.array(self.above, np.int64),
             flagged=np.array(self.flagged, bool),
             rows=np.array(self.rows, np.float64),
+            noise=self.noise,
         )
 
     def step(
@@ -338,33 +384,28 @@ class Scorer:
         if len(finite) > 1:  # against the least slowed replica
             peak = max(finite)
             ratios = [_ratio(r, peak) for r in ratios]
-        deviations = [
-            abs(v - c) * r
-            for column, c, r in zip(columns, cost, self.rows)
-            if r > 0
-            for v in column
-            if v == v
-        ]
-        noise = _median(deviations) if deviations else 0.0
-        floor = max(min_excess_seconds, NOISE_MADS * noise)
+        floor = self._noise_floor(columns, cost, min_excess_seconds)
         changes = []
         for replica, value in enumerate(cost):
             relative = _ratio(best, value)
             individual = ratios[replica]
             rows_now = self.rows[replica]
+            newest = reading[replica]
+            current = newest if newest < value else value
             relaxed = self.baseline[replica] * (1.0 + BASELINE_RELAX)
             # fmin: NaN loses to a number.
             if value == value and not relaxed <= value:
                 self.baseline[replica] = value
             else:
                 self.baseline[replica] = relaxed
-            low = (
-                relative < relative_threshold
-                and (value - best) * rows_now > floor
-            ) or (
-                individual < threshold
-                and value * (1.0 - individual) * rows_now > floor
-            )
+            slow = relative < relative_threshold
+            lost = individual < threshold
+            if self.flagged[replica]:
+                low = slow or lost
+            else:
+                low = (slow and (current - best) * rows_now > floor) or (
+                    lost and (current - value * individual) * rows_now > floor
+                )
             if low:
                 self.below[replica] += 1
                 self.above[replica] = 0
@@ -381,6 +422,29 @@ class Scorer:
             self.flagged[replica] = not flagged
             changes.append((replica, kind, relative, individual))
         return changes
+
+    def _noise_floor(self, columns, cost, min_excess_seconds):
+        """`noise_floor` on lists; updates `self.noise`."""
+        pooled = [
+            abs(v - c) * r
+            for column, c, r in zip(columns, cost, self.rows)
+            if r > 0
+            for v in column
+            if v == v
+        ]
+        mad = _median(pooled) if pooled else 0.0
+        latest = []
+        for v, c, r in zip(self.readings[-1], cost, self.rows):
+            deviation = abs(v - c)
+            deviation = deviation if deviation < c else c
+            if r > 0 and v == v:
+                latest.append(deviation * r)
+        if latest:
+            mean = math.fsum(latest) / len(latest)
+            self.noise = self.noise + NOISE_DECAY * (mean - self.noise)
+        return max(
+            min_excess_seconds, NOISE_MADS * mad, NOISE_MEANS * self.noise
+        )
 
 
 def _median(values):

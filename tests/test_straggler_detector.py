@@ -5,7 +5,9 @@ import logging
 import time
 
 import helpers
+import numpy as np
 import pytest
+import tensorflow as tf
 import workers_lib
 from conftest import DEVICES
 
@@ -61,6 +63,43 @@ def test_slowed_replica_is_flagged_with_hook_logs_and_tensorboard(
     assert history.history["straggler/flagged"] == [1]
     assert history.history["straggler/relative_1"][0] < 0.7
     assert list(tmp_path.iterdir())  # TensorBoard event file written
+
+
+def test_equal_replicas_raise_no_false_alarm():
+    # Two equal logical CPUs, millisecond steps of a small MLP and no
+    # simulated slowness: the steps' own scheduling jitter (on a shared
+    # 2-core machine) is all there is. Three epochs, 450 steps.
+    strategy = helpers.mirrored(DEVICES[:2])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128 * 150, 32)).astype("float32")
+    examples = tf.data.Dataset.from_tensor_slices((x, x[:, :1]))
+    with strategy.scope():
+        inputs = keras.Input((32,))
+        hidden = keras.layers.Dense(256, activation="relu")(inputs)
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="sgd", loss="mse")
+    detector = kh.callbacks.StragglerDetector()
+    data = kh.data.shard(examples, 128, strategy=strategy)
+    model.fit(data, epochs=3, verbose=0, callbacks=[detector])
+    assert int(model.optimizer.iterations.numpy()) == 450
+    assert detector.events == []
+
+
+def test_a_1_5x_slowdown_is_flagged_within_10_steps():
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, slow = _model(strategy, [0.004, 0.004])  # 32 ms steps
+    detector = kh.callbacks.StragglerDetector()
+    data = kh.data.shard(helpers.examples(rows=16 * 45), 16, strategy=strategy)
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[_SlowDownAt(slow, 20, [0.004, 0.006]), detector],
+    )
+    assert [(e.replica, e.kind) for e in detector.events] == [(1, "straggler")]
+    assert 20 < detector.events[0].step <= 20 + 10
+    assert detector.events[0].relative_score < 0.7
 
 
 def test_stop_action_stops_training_and_rebalance_action_moves_shares():
@@ -154,6 +193,8 @@ def test_relative_threshold_spares_a_device_slower_by_design():
         ({"relative_threshold": 0}, ValueError, "relative_threshold=0"),
         ({"relative_threshold": "low"}, ValueError, "relative_threshold"),
         ({"patience": 0}, ValueError, "patience=0"),
+        ({"min_excess_seconds": -1}, ValueError, "min_excess_seconds=-1"),
+        ({"min_excess_seconds": "3ms"}, ValueError, "min_excess_seconds"),
         ({"action": "explode"}, ValueError, "explode"),
         ({"action": "rebalance"}, ValueError, "rebalancer"),
         ({"on_straggler": "print"}, TypeError, "on_straggler"),

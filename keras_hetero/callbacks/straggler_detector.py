@@ -35,12 +35,13 @@ class StragglerDetector(keras.callbacks.Callback):
     for `patience` evaluations becomes a straggler; it recovers after
     `patience` evaluations with both scores back above.
 
-    A low score counts only if it costs the replica more than
-    `min_excess_seconds` of compute per step (against the best replica, or
-    its own baseline) and more than the step-time noise measured in the
-    window (`kh.straggler.NOISE_MADS` median absolute deviations): on a
-    busy machine, steps of a few milliseconds lose whole scheduler time
-    slices at random, and would otherwise be flagged.
+    A low score makes a straggler only if it also costs the replica more
+    compute per step (against the best replica, or its own baseline) than
+    `min_excess_seconds` and than the step-time noise measured during the
+    run, in its latest step as well as over the window: on a busy machine,
+    steps of a few milliseconds lose whole scheduler time slices at random
+    and would otherwise be flagged (see `kh.straggler` for the noise
+    floor). Recovery needs only the scores back above the thresholds.
 
     On devices that differ by design (a GPU and a CPU, speeds 1 : 4), the
     slower device's relative score is its speed ratio (0.25) from the first
