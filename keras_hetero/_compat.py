@@ -725,3 +725,38 @@ def array_class_weights(y, sample_weight, class_weight):
             "You cannot `class_weight` and `sample_weight` at the same time."
         )
     return _data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+
+
+class _KnownLength(tf.data.Dataset):
+    """`dataset` whose `cardinality()` reports `length` (see
+    `with_known_length`)."""
+
+    def __init__(self, dataset, length):
+        self._dataset = dataset
+        self._length = int(length)
+        super().__init__(tf.data.experimental.to_variant(dataset))
+
+    def _inputs(self):
+        return [self._dataset]
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def cardinality(self):
+        return tf.constant(self._length, tf.int64)
+
+
+def with_known_length(dataset, length):
+    """`dataset`, reporting `length` elements to Keras.
+
+    Keras reads a dataset's length from `cardinality()`; an input pipeline
+    built per pass (`flat_map`) reports "unknown", and Keras 3 then takes
+    the length of the first epoch it sees. A resumed epoch is short on
+    purpose (its first steps ran before a restart), so every later epoch
+    would be cut to its length. Multi-replica strategies return a
+    distributed dataset whose `_cardinality` we set; one replica (the
+    default strategy) returns the dataset itself, hence this wrapper.
+    `tf.data.experimental.assert_cardinality` would fail the short epoch.
+    """
+    return _KnownLength(dataset, length)

@@ -400,6 +400,8 @@ def test_small_batch_size_names_the_argument():
     x, y, _, _ = helpers.arrays()
     with pytest.raises(ValueError, match="batch_size=2"):
         model.fit(x, y, batch_size=2, verbose=0)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        model.fit(x, y, 2, verbose=0)  # positional, as keras.Model.fit takes it
     with pytest.raises(ValueError, match="cardinality is ambiguous"):
         model.fit(x, y[:10], verbose=0)
 

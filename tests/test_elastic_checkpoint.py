@@ -7,6 +7,7 @@ import shutil
 import helpers
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
@@ -468,3 +469,33 @@ def test_shuffled_array_input_resumes_with_the_epoch_order(tmp_path):
     assert expected[0] != expected[10]  # the epochs' orders differ
     assert before + after == expected  # the same global batches
     helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+def test_one_replica_shards_arrays_for_the_checkpoint(tmp_path):
+    # With one replica fit keeps Keras' adapter, unless an ElasticCheckpoint
+    # needs the data position: then it shards the arrays, and resumes.
+    strategy = tf.distribute.get_strategy()
+    x, y, _, ids = helpers.arrays(ROWS)
+
+    def fit(model, seen, directory, stop=None):
+        steps = StepIds(seen)
+        callbacks = [kh.callbacks.ElasticCheckpoint(directory, save_every=1)]
+        model.fit(
+            {"x": x, "id": ids},
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[*callbacks, *([StopAfter(stop)] if stop else []), steps],
+        )
+        return steps.steps
+
+    seen = []
+    expected = fit(_model(strategy, seen, seed=1), seen, tmp_path / "a")
+    seen = []
+    before = fit(_model(strategy, seen, seed=1), seen, tmp_path / "b", stop=7)
+    seen = []
+    after = fit(_model(strategy, seen, seed=5), seen, tmp_path / "b")
+    assert before + after == expected
+    in_order = [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(10)]
+    assert expected[:10] != in_order  # shuffled (Keras' default)

@@ -54,9 +54,16 @@ class HeteroDataset:
     `[start_i, end_i)` of it, in global replica order (worker 0's replicas
     first). `shares` may be assigned at any time, also during `fit`.
 
-    Pass it to `HeteroModel.fit` / `evaluate` / `predict` like any dataset.
-    `as_distributed_dataset()` gives the underlying
-    `tf.distribute.DistributedDataset` for custom loops.
+    Pass it to `HeteroModel.fit` / `evaluate` / `predict` like any dataset
+    (`fit(..., class_weight=...)` included). `as_distributed_dataset()`
+    gives the underlying `tf.distribute.DistributedDataset` for custom
+    loops. `HeteroModel.fit` also makes one from numpy arrays under several
+    replicas.
+
+    Of the `tf.data.Dataset` methods it has `with_options`, `prefetch` and
+    `cache`; the others (`map`, `batch`, `shuffle`, `repeat`, ...) raise an
+    `AttributeError` that says what to do instead, since the examples are
+    already batched and split.
 
     Attributes:
         global_batch_size: Rows per global batch.
@@ -186,7 +193,7 @@ class HeteroDataset:
                 f"examples={examples!r}. Expected an integer >= 0."
             )
         if pass_number is not None:
-            check_int("pass_number", int(pass_number), 0)
+            check_int("pass_number", _plain_int(pass_number), 0)
         self._schedule.skip_examples(int(examples))
         self._order.restart(pass_number, seed)
 
@@ -246,10 +253,17 @@ class HeteroDataset:
                 lambda context: self._pipeline(context, repeat, class_weight)
             )
             if self.num_batches is not None and not repeat:
-                # A worker's pipeline yields one element per LOCAL replica
-                # per global batch, and TF reports that count as the
-                # dataset's cardinality; Keras reads it as steps per epoch.
-                distributed._cardinality = self.num_batches
+                if isinstance(distributed, tf.data.Dataset):
+                    # One replica: the pipeline itself (length unknown).
+                    distributed = _compat.with_known_length(
+                        distributed, self.num_batches
+                    )
+                else:
+                    # A worker's pipeline yields one element per LOCAL
+                    # replica per global batch, and TF reports that count
+                    # as the dataset's cardinality; Keras reads it as steps
+                    # per epoch.
+                    distributed._cardinality = self.num_batches
             self._distributed[key] = distributed
         return self._distributed[key]
 
@@ -719,12 +733,10 @@ def check_shuffle(shuffle, examples):
                 "`examples.apply(tf.data.experimental.assert_cardinality(n))`."
             )
         return True
-    return int(
-        check_int(
-            "shuffle",
-            int(shuffle) if isinstance(shuffle, np.integer) else shuffle,
-            expected="None, True or a buffer size (an integer >= 1)",
-        )
+    return check_int(
+        "shuffle",
+        _plain_int(shuffle),
+        expected="None, True or a buffer size (an integer >= 1)",
     )
 
 
@@ -737,8 +749,9 @@ def check_seed(seed):
     if seed is None:
         return None
     return check_int(
-        "seed",
-        int(seed) if isinstance(seed, np.integer) else seed,
-        0,
-        expected="None or an integer >= 0",
+        "seed", _plain_int(seed), 0, expected="None or an integer >= 0"
     )
+
+
+def _plain_int(value):
+    return int(value) if isinstance(value, np.integer) else value
