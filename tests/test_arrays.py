@@ -480,3 +480,35 @@ def test_multi_worker_array_input_is_exact_and_shuffles_alike():
     for order in passes:
         assert sorted(order) == list(range(rows))
     assert passes[0] != passes[1] != list(range(rows))
+
+
+def test_list_inputs_equal_stock_keras():
+    rows = 40
+    rng = np.random.default_rng(1)
+    x = [
+        rng.normal(size=(rows, 3)).astype("float32"),
+        rng.normal(size=(rows, 2)).astype("float32"),
+    ]
+    y = rng.normal(size=(rows, 1)).astype("float32")
+
+    def build(cls, strategy):
+        keras.utils.set_random_seed(6)
+        with strategy.scope():
+            a, b = keras.Input((3,)), keras.Input((2,))
+            joined = keras.layers.Concatenate()([a, b])
+            model = cls([a, b], keras.layers.Dense(1)(joined))
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    model = build(kh.HeteroModel, helpers.mirrored(DEVICES[:2]))
+    reference = build(keras.Model, tf.distribute.get_strategy())
+    kwargs = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, **kwargs)
+    reference.fit(x, y, **kwargs)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=6, verbose=0),
+        reference.predict(x, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )

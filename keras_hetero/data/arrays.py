@@ -177,8 +177,11 @@ def from_arrays(
             f"number of replicas ({replicas}) under {type(strategy).__name__}"
             " (it is the global batch size)."
         )
-    data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-    data = tf.nest.map_structure(_to_tensor, _lists_to_tuples(data))
+    # Tuples before packing: tf-keras packs a list `x` without `y` bare.
+    data = keras.utils.pack_x_y_sample_weight(
+        *map(_lists_to_tuples, (x, y, sample_weight))
+    )
+    data = tf.nest.map_structure(_to_tensor, data)
     return HeteroDataset(
         ArraySource(data),
         int(batch_size),
