@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test test-quick test-keras3 test-legacy lint bench docs clean
+.PHONY: install demo test test-quick test-keras3 test-legacy conformance lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test-legacy: $(STAMP)
 ## Without the slow multi-process tests, Keras 3 only.
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow"
+
+## Keras' own tests, stock vs HeteroModel (docs/conformance.md). Downloads
+## the installed Keras' sdist; fails on a difference in neither
+## tests/conformance/allowed.txt nor known_failures.txt.
+conformance: $(STAMP)
+	$(BIN)/python tests/conformance/run.py
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python tests/conformance/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check keras_hetero tests benchmarks examples docs/griffe_examples.py
