@@ -728,7 +728,7 @@ def main(argv=None):
     work = Path(args.keep or tempfile.mkdtemp(prefix="kh-conformance-"))
     if args.keep and work.exists():
         shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work.mkdir(parents=True, exist_ok=True)
     try:
         return _conformance(args, version, allowed, known, work)
     finally:
