@@ -98,7 +98,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/input.py
+	$(BIN)/python benchmarks/arrays.py
 	$(BIN)/python benchmarks/placement.py
+	$(BIN)/python benchmarks/steps_per_execution.py
 
 ## The documentation site (mkdocs.yml, docs/) into site/; warnings fail.
 docs: $(STAMP)

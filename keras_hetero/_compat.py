@@ -393,6 +393,75 @@ def checkpoint_variables(model):
     return names, unique
 
 
+def shared_file_paths(callback):
+    """The paths a Keras callback writes on every worker, by attribute.
+
+    Keras 3.15's `ModelCheckpoint` (`filepath`), `TensorBoard` (`log_dir`),
+    `CSVLogger` (`filename`) and `BackupAndRestore` have no chief/worker
+    logic: under MultiWorkerMirroredStrategy every worker writes the same
+    paths (h5 files then fail to lock, `BlockingIOError`). `BackupAndRestore`
+    derives its files (`_weights_path`, `_training_metadata_path` and their
+    `.bkp` copies) from `backup_dir` in `__init__`, so those attributes are
+    taken too: every string attribute inside `backup_dir`. tf-keras' own
+    `ModelCheckpoint`, `TensorBoard` and `BackupAndRestore` write from the
+    chief only (`tf_keras/src/distribute/distributed_file_utils.py`), but
+    its `CSVLogger` writes from every worker too (rows once per worker).
+
+    Returns:
+        `{attribute name: path}`, empty for callbacks that need nothing.
+    """
+    callbacks = keras.callbacks
+    if isinstance(callback, callbacks.CSVLogger):
+        return {"filename": callback.filename}
+    if IS_LEGACY:
+        return {}
+    if isinstance(callback, callbacks.ModelCheckpoint):
+        return {"filepath": callback.filepath}
+    if isinstance(callback, callbacks.TensorBoard):
+        return {"log_dir": callback.log_dir}
+    if isinstance(callback, callbacks.BackupAndRestore):
+        root = str(callback.backup_dir).rstrip("/\\")
+        return {
+            name: value
+            for name, value in vars(callback).items()
+            if isinstance(value, str)
+            and value.startswith(root)
+            and value[len(root) :][:1] in ("", "/", "\\")
+        }
+    return {}
+
+
+def restores_from_files(callback):
+    """Whether `callback` reads back at `fit` start what it wrote before.
+
+    Keras 3's `BackupAndRestore` loads `latest.weights.h5` and
+    `training_metadata.json` in `on_train_begin`.
+    """
+    return not IS_LEGACY and isinstance(
+        callback, keras.callbacks.BackupAndRestore
+    )
+
+
+def backup_resume_epoch(model, steps_per_epoch, initial_epoch):
+    """The epoch a `fit` loop starts at once `on_train_begin` has run.
+
+    Keras' `BackupAndRestore` restores in `on_train_begin` and hands the
+    epoch to the `fit` loop: Keras 3.15 through `model._initial_epoch` (its
+    loop reads `self._initial_epoch or initial_epoch`), tf-keras through
+    `model._training_state` (its loop calls
+    `_maybe_load_initial_counters_from_ckpt`). HeteroModel's
+    parameter-server loop asks the same way.
+    """
+    if IS_LEGACY:
+        if getattr(model, "_training_state", None) is None:
+            return initial_epoch
+        epoch, _ = model._maybe_load_initial_counters_from_ckpt(
+            steps_per_epoch, initial_epoch
+        )
+        return epoch
+    return model._initial_epoch or initial_epoch
+
+
 class _ResumePoint:
     """Stands in for tf-keras' `model._training_state`: tells `fit` which
     epoch and step to start at, once (tf-keras asks after `on_train_begin`).
@@ -501,21 +570,33 @@ class Keras3TrainerOverrides:
             outputs = strategy.run(replica_step, args=(data,))
             return first_local_values(strategy, outputs)
 
+        looped_step = one_step_on_data
         if not self.run_eagerly:
             one_step_on_data = tf.function(
                 one_step_on_data,
                 reduce_retracing=True,
                 jit_compile=jit and not per_replica,
             )
+            if self._distribute_strategy is None:
+                looped_step = one_step_on_data
         if CONVERTS_OPTIONAL_INPUTS:
             one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+            looped_step = self._autoconvert_optionals(looped_step)
         steps_per_execution = int(self.steps_per_execution)
 
         @tf.autograph.experimental.do_not_convert
         def multi_step_on_iterator(iterator):
             # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
-            # above: run up to `steps_per_execution` steps while data lasts,
-            # never fetching a batch that the next call should get.
+            # above and `looped_step`: run up to `steps_per_execution` steps
+            # while data lasts, never fetching a batch that the next call
+            # should get. Under a strategy the step is traced inline here:
+            # a nested tf.function around `strategy.run` (Keras' structure)
+            # or around the replica function (which MirroredStrategy wraps
+            # in one) called in this tf.cond inside tf.while_loop fails at
+            # run time with "You must feed a value for placeholder tensor
+            # 'while/cond/Placeholder'" (measured on TF 2.21, MirroredStrategy
+            # with 2 replicas; stock Keras 3.15 fails this way). The distributed
+            # Optional passed through the loop is fine.
             if steps_per_execution == 1:
                 return tf.experimental.Optional.from_value(
                     one_step_on_data(iterator.get_next())
@@ -530,7 +611,7 @@ class Keras3TrainerOverrides:
             def body(step, optional_outputs, next_inputs):
                 def has_next():
                     outputs = tf.experimental.Optional.from_value(
-                        one_step_on_data(next_inputs.get_value())
+                        looped_step(next_inputs.get_value())
                     )
                     empty_outputs._element_spec = outputs.element_spec
                     return outputs
@@ -627,3 +708,80 @@ class _NoTrainerOverrides:
 
 
 TrainerOverrides = _NoTrainerOverrides if IS_LEGACY else Keras3TrainerOverrides
+
+
+def class_weight_map_fn(class_weight):
+    """Keras' own `class_weight` -> sample weights map for dataset batches.
+
+    `fit(dataset, class_weight=...)` maps the dataset with it; a
+    distributed dataset has no `map` (both flavours fail with
+    "'DistributedDatasetsFromFunction' object has no attribute 'map'"), so
+    a HeteroDataset applies it itself. Keras 3 refuses `class_weight` with
+    sample weights in the data and gives classes missing from the dict the
+    weight 1; tf-keras multiplies them and wants every class a key.
+    """
+    if IS_LEGACY:
+        return _data_adapter._make_class_weight_map_fn(class_weight)
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+
+    return tf_dataset_adapter.make_class_weight_map_fn(class_weight)
+
+
+def array_class_weights(y, sample_weight, class_weight):
+    """Per-example weights for array input, as each flavour's `fit` makes
+    them from `class_weight` (Keras 3: `class_weight_to_sample_weights`,
+    an error together with `sample_weight`; tf-keras: its dataset map on
+    the arrays, multiplied with `sample_weight`)."""
+    if IS_LEGACY:
+        tensor = tf.convert_to_tensor(y)
+        data = (
+            (tensor, tensor)
+            if sample_weight is None
+            else (
+                tensor,
+                tensor,
+                tf.convert_to_tensor(sample_weight),
+            )
+        )
+        _, _, weights = class_weight_map_fn(class_weight)(*data)
+        return weights.numpy()
+    if sample_weight is not None:
+        raise ValueError(
+            "You cannot `class_weight` and `sample_weight` at the same time."
+        )
+    return _data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+
+
+class _KnownLength(tf.data.Dataset):
+    """`dataset` whose `cardinality()` reports `length` (see
+    `with_known_length`)."""
+
+    def __init__(self, dataset, length):
+        self._dataset = dataset
+        self._length = int(length)
+        super().__init__(tf.data.experimental.to_variant(dataset))
+
+    def _inputs(self):
+        return [self._dataset]
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def cardinality(self):
+        return tf.constant(self._length, tf.int64)
+
+
+def with_known_length(dataset, length):
+    """`dataset`, reporting `length` elements to Keras.
+
+    Keras reads a dataset's length from `cardinality()`; an input pipeline
+    built per pass (`flat_map`) reports "unknown", and Keras 3 then takes
+    the length of the first epoch it sees. A resumed epoch is short on
+    purpose (its first steps ran before a restart), so every later epoch
+    would be cut to its length. Multi-replica strategies return a
+    distributed dataset whose `_cardinality` we set; one replica (the
+    default strategy) returns the dataset itself, hence this wrapper.
+    `tf.data.experimental.assert_cardinality` would fail the short epoch.
+    """
+    return _KnownLength(dataset, length)

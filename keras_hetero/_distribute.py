@@ -131,3 +131,23 @@ def cpu_replicas(strategy):
         == "CPU"
         for device in devices
     )
+
+
+def broadcast_from_first_replica(strategy, value):
+    """The int `value` of the first global replica's process, everywhere.
+
+    One SUM all-reduce in which only replica 0 contributes, under
+    multi-worker strategies (every worker must call it); elsewhere there is
+    one process and `value` is returned as is.
+    """
+    if not is_multi_worker(strategy):
+        return int(value)
+
+    def first_only():
+        context = tf.distribute.get_replica_context()
+        is_first = tf.equal(context.replica_id_in_sync_group, 0)
+        mine = tf.where(is_first, tf.constant(value, tf.int64), 0)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+    result = tf.function(lambda: strategy.run(first_only))()
+    return int(strategy.experimental_local_results(result)[0].numpy())

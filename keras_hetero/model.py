@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import _multi_worker_callbacks
 from keras_hetero import accumulation
 from keras_hetero import aggregation
 from keras_hetero import loss_scale as loss_scale_lib
@@ -32,6 +33,7 @@ from keras_hetero import precision as precision_lib
 from keras_hetero import telemetry
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 
 PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
@@ -238,10 +240,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         # After the forward pass, as in Keras: a model whose layers build on
         # their first call has its variables only now.
         variables = self.trainable_variables
-        if variables and _compat.jit_compiled(self):
+        if (
+            variables
+            and _compat.jit_compiled(self)
+            and not tf.distribute.has_strategy()
+        ):
             # A lazily built model's first trace: the optimizer's variables
             # now, not under the control dependencies below (XLA cannot lift
-            # variables created there).
+            # variables created there). Under a strategy the model and
+            # optimizer are built before tracing.
             _compat.build_optimizer(self)
         elif not variables:
             warnings.warn(
@@ -469,10 +476,21 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         return None if scale is None else float(scale.scale.numpy())
 
     def fit(self, x=None, y=None, *args, **kwargs):
+        # Keras' own file-writing callbacks write from the chief only.
+        undo = _multi_worker_callbacks.prepare(self, kwargs.get("callbacks"))
+        try:
+            return self._fit(x, y, *args, **kwargs)
+        finally:
+            undo()
+
+    def _fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
         if isinstance(kwargs.get("callbacks"), (list, tuple)):
             kwargs["callbacks"] = _observers_last(kwargs["callbacks"])
         if _distribute.is_parameter_server(self.distribute_strategy):
+            x, kwargs = _per_worker_input(
+                x, kwargs, "steps_per_epoch", "validation_steps"
+            )
             options = _parameter_server_arguments("fit", x, y, args, kwargs)
             runner = self._parameter_server()
             checkpoints = _elastic_checkpoints(options.get("callbacks"))
@@ -490,8 +508,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 )
                 checkpoints[0]._restore(self, options)
             return runner.fit(**options)
+        converted = arrays.fit_arguments(self, x, y, args, kwargs)
+        if converted is not None:
+            x, y, args, kwargs = converted.pop("x"), None, (), converted
         dataset = x
+        class_weight = None
         if isinstance(x, HeteroDataset):
+            # Applied by the HeteroDataset: Keras would `.map` the
+            # distributed dataset, which has no `map`.
+            class_weight = kwargs.pop("class_weight", None)
             # Global batches keep their order; shuffle the examples instead.
             kwargs.setdefault("shuffle", False)
             if _compat.IS_LEGACY:
@@ -507,7 +532,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _check_batch_normalization(self, dataset, kwargs.get("callbacks"))
         _check_microbatch_statistics(self)
         _compat.fix_synchronized_batch_norm(self)
-        x = self._as_input(x, repeat=_compat.IS_LEGACY)
+        _attach_input(kwargs.get("callbacks"), dataset, self)
+        x = self._as_input(
+            x, repeat=_compat.IS_LEGACY, class_weight=class_weight
+        )
         validation = kwargs.get("validation_data")
         if isinstance(validation, HeteroDataset):
             if _compat.IS_LEGACY:
@@ -521,8 +549,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if len(checkpoints) > 1 or not isinstance(dataset, HeteroDataset):
             raise ValueError(
                 "ElasticCheckpoint needs exactly one ElasticCheckpoint in "
-                "`callbacks` and a `kh.data.HeteroDataset` as `x` (it "
-                "restores the data position). Received "
+                "`callbacks` and a `kh.data.HeteroDataset` or numpy arrays "
+                "as `x` (it restores the data position). Received "
                 f"{len(checkpoints)} ElasticCheckpoint(s) and x of type "
                 f"{type(dataset).__name__}."
             )
@@ -541,6 +569,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
         if _distribute.is_parameter_server(self.distribute_strategy):
+            x, kwargs = _per_worker_input(x, kwargs, "steps")
             options = _parameter_server_arguments(
                 "evaluate", x, y, args, kwargs
             )
@@ -550,6 +579,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 return logs
             values = list(logs.values())  # loss first, then the metrics
             return values[0] if len(values) == 1 else values
+        converted = arrays.evaluate_arguments(self, x, y, args, kwargs)
+        if converted is not None:
+            x, y, args, kwargs = converted.pop("x"), None, (), converted
         if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
@@ -569,30 +601,15 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 batch_size=given.get("batch_size"),
                 steps=given.get("steps"),
             )
+        converted = arrays.predict_arguments(self, x, args, kwargs)
+        if converted is not None:
+            x, args, kwargs = converted.pop("x"), (), converted
         if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
         return super().predict(self._as_input(x), *args, **kwargs)
 
     def _check_strategy(self, method):
-        if (
-            not _compat.IS_LEGACY
-            and method in ("fit", "evaluate")
-            and int(self.steps_per_execution) > 1
-            and self.distribute_strategy.num_replicas_in_sync > 1
-        ):
-            # Stock Keras 3.15 fails the same way: its steps_per_execution
-            # loop feeds a distributed Optional through tf.while_loop/tf.cond
-            # ("You must feed a value for placeholder tensor
-            # 'while/cond/Placeholder'").
-            raise NotImplementedError(
-                f"`steps_per_execution={self.steps_per_execution}` with "
-                f"{type(self.distribute_strategy).__name__} "
-                f"({self.distribute_strategy.num_replicas_in_sync} replicas) "
-                f"is not supported on Keras {_compat.KERAS_VERSION} (stock "
-                "Keras fails too). Use steps_per_execution=1, or tf-keras "
-                "(TF_USE_LEGACY_KERAS=1)."
-            )
         if (
             method in ("fit", "evaluate")
             and _compat.jit_compiled(self)
@@ -623,10 +640,20 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "strategy.scope():` of the strategy you train with."
             )
 
-    def _as_input(self, x, repeat=False):
+    def _as_input(self, x, repeat=False, class_weight=None):
         if not isinstance(x, HeteroDataset):
             return x
         strategy = self.distribute_strategy
+        if x.strategy is not strategy and type(x.strategy) is type(strategy):
+            raise ValueError(
+                "Invalid value for argument `x`: a HeteroDataset sharded for "
+                f"another {type(strategy).__name__} instance "
+                f"({x.num_replicas} replicas) than the one `{self.name}` runs "
+                f"under ({strategy.num_replicas_in_sync} replicas): the split "
+                "is bound to the strategy object. Pass "
+                "`strategy=model.distribute_strategy` to `kh.data.shard` (or "
+                "call it inside the model's `strategy.scope()`)."
+            )
         if x.strategy is not strategy:
             raise ValueError(
                 "Invalid value for argument `x`: a HeteroDataset sharded for "
@@ -636,7 +663,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "`strategy=` to `kh.data.shard` (or call it inside the "
                 "model's `strategy.scope()`)."
             )
-        return x.as_distributed_dataset(repeat=repeat)
+        return x.as_distributed_dataset(
+            repeat=repeat, class_weight=class_weight
+        )
 
     # --- config ------------------------------------------------------------
 
@@ -867,14 +896,24 @@ def _parameter_server_arguments(method, x, y, args, kwargs):
     options = {name: given[name] for name in supported if name in given}
     if method == "evaluate":
         options.setdefault("return_dict", False)
-    if isinstance(options.get("x"), HeteroDataset):
-        raise ValueError(
-            "A `kh.data.HeteroDataset` splits global batches between "
-            "replicas that step together; under ParameterServerStrategy each "
-            "worker steps on its own. Pass a `dataset_fn(input_context)` or "
-            "a batched `tf.data.Dataset` instead."
-        )
     return options
+
+
+def _per_worker_input(x, kwargs, steps, validation_steps=None):
+    """`x` (and `validation_data`) as ParameterServerStrategy takes them: a
+    HeteroDataset becomes its `parameter_server_dataset()`, and its global
+    batches per epoch the default step count."""
+    kwargs = dict(kwargs)
+    if isinstance(x, HeteroDataset):
+        if kwargs.get(steps) is None and x.num_batches is not None:
+            kwargs[steps] = x.num_batches
+        x = x.parameter_server_dataset()
+    validation = kwargs.get("validation_data")
+    if validation_steps and isinstance(validation, HeteroDataset):
+        if kwargs.get(validation_steps) is None:
+            kwargs[validation_steps] = validation.num_batches
+        kwargs["validation_data"] = validation.parameter_server_dataset()
+    return x, kwargs
 
 
 def _check_batch_normalization(model, dataset, callbacks):
@@ -948,6 +987,15 @@ def _observers_last(callbacks):
     for observer in observers:
         observer._observe(others)
     return others + observers
+
+
+def _attach_input(callbacks, dataset, model):
+    """Hands `fit`'s input to the `ShardRebalancer`s made without one."""
+    from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
+
+    for callback in callbacks or ():
+        if isinstance(callback, ShardRebalancer):
+            callback._attach(dataset, model)
 
 
 def _elastic_checkpoints(callbacks):

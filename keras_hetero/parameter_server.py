@@ -241,6 +241,11 @@ class ParameterServerRunner:
         model.stop_training = False
         self.telemetry.reset()
         callback_list.on_train_begin()
+        resumed = _compat.backup_resume_epoch(
+            model, steps_per_epoch, initial_epoch
+        )
+        if resumed != initial_epoch:  # Keras' BackupAndRestore restored
+            initial_epoch, initial_step = resumed, 0
         epoch_logs = {}
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()

@@ -205,8 +205,10 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         return False  # saves happen at report points only
 
     def on_train_batch_end(self, batch, logs=None):
+        before = self._global_step
         super().on_train_batch_end(batch, logs)
-        self._since_report += 1
+        # Steps, not calls: one call runs `steps_per_execution` steps.
+        self._since_report += self._global_step - before
         # The last step of an epoch reports in `on_epoch_end`, with the
         # epoch's logs (validation, shares, straggler scores).
         if (

@@ -10,9 +10,32 @@ recent costs:
 - relative score = best replica's median cost / this replica's median cost;
 - individual score = this replica's baseline (the lowest median it has
   shown, relaxed upward by `BASELINE_RELAX` per evaluation) / its current
-  median.
+  median; with other replicas scored, divided by the highest such ratio
+  among them (the least slowed replica's), so a slowdown that every replica
+  shares (the machine got busier) is not any replica's.
 
 Both are in (0, 1]; 1 is "as fast as it gets".
+
+A replica becomes a straggler only when its low score also costs time
+beyond the noise. Its excess is (its current cost - the cost it is compared
+with) * its rows in the latest step; its current cost is the lower of its
+median and its latest reading (slow over the window but not now is not
+slow now), the compared cost the best replica's median (relative score) or
+its own median times its individual score. The excess must exceed the
+noise floor, the largest of `min_excess_seconds`, `NOISE_MADS` median
+absolute deviations of the window's step times (all replicas pooled: the
+usual jitter) and `NOISE_MEANS` times `ScoreState.noise` (how often and by
+how much steps get delayed here, over the last ~1 / `NOISE_DECAY` steps).
+The floor guards the alarm only: a straggler recovers when its scores are
+back above the thresholds, so a real one does not flap when noise rises.
+
+Why: on a loaded 2-core machine (two equal logical CPUs, measured by
+benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
+gives its core away for a time slice, for one replica and not the other,
+several steps in a row; and the whole machine's pace drifts 2x within a
+run, so a replica's luckiest window (its baseline) is far from its usual
+pace. Without the floor and the common-mode division, two equal replicas
+were flagged 36-106 times per 1000-1200 steps.
 """
 
 import dataclasses
@@ -25,6 +48,27 @@ from keras_hetero import rebalance
 # Per evaluation: a baseline 10% too low is forgotten in about 100 steps,
 # while a real slowdown is flagged within `window / 2 + patience` steps.
 BASELINE_RELAX = 0.001
+
+# Default least excess (seconds per step) a straggler must cost. The window
+# medians of two equal replicas on a quiet 2-core machine differ by up to
+# 1.5 ms (3 ms steps); sub-millisecond steps differ by a systematic 0.05 ms.
+MIN_EXCESS_SECONDS = 0.003
+
+# The excess must also exceed this many median absolute deviations of the
+# window's step times (about 7 standard deviations of Gaussian noise;
+# scheduling noise has far heavier tails)...
+NOISE_MADS = 10.0
+
+# ... and this many times `ScoreState.noise`, the mean deviation of a step
+# from its replica's median. The median deviation misses delays that hit
+# fewer than half of the steps; the mean counts them, weighted by how often
+# they come. Each deviation is capped at the replica's median step time, so
+# a lone stall (the first step, an epoch's first batch) or the onset of a
+# real slowdown moves the mean little.
+NOISE_MEANS = 6.0
+
+# Weight of the newest step in `ScoreState.noise` (memory ~50 steps).
+NOISE_DECAY = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +105,9 @@ class ScoreState:
         below: Consecutive evaluations below the threshold, per replica.
         above: Consecutive evaluations at or above it, per replica.
         flagged: Whether each replica is currently a straggler.
+        rows: Rows of each replica in the latest reading (0 before any).
+        noise: Exponential average (weight `NOISE_DECAY`) of the steps'
+            mean deviation from their replica's median, in seconds.
     """
 
     readings: np.ndarray
@@ -69,6 +116,8 @@ class ScoreState:
     below: np.ndarray
     above: np.ndarray
     flagged: np.ndarray
+    rows: np.ndarray
+    noise: float = 0.0
 
     @classmethod
     def empty(cls, num_replicas, window):
@@ -79,6 +128,7 @@ class ScoreState:
             below=np.zeros(num_replicas, np.int64),
             above=np.zeros(num_replicas, np.int64),
             flagged=np.zeros(num_replicas, bool),
+            rows=np.zeros(num_replicas, np.float64),
         )
 
     def to_dict(self):
@@ -96,19 +146,23 @@ class ScoreState:
             below=np.asarray(data["below"], np.int64),
             above=np.asarray(data["above"], np.int64),
             flagged=np.asarray(data["flagged"], bool),
+            # States saved before `rows` and `noise` existed: the next
+            # reading sets `rows`, and `noise` starts afresh.
+            rows=np.asarray(
+                data.get("rows", np.zeros(len(data["flagged"]))), np.float64
+            ),
+            noise=float(data.get("noise", 0.0)),
         )
 
 
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
     window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
-    return ScoreState(
-        window.readings,
-        state.seen + 1,
-        state.baseline,
-        state.below,
-        state.above,
-        state.flagged,
+    return dataclasses.replace(
+        state,
+        readings=window.readings,
+        seen=state.seen + 1,
+        rows=np.asarray(rows, np.float64),
     )
 
 
@@ -122,20 +176,63 @@ def scores(state, cost=None):
     cost = current_costs(state) if cost is None else cost
     # NaN costs (no reading) stay NaN; fmin skips them when finding the best.
     best = np.fmin.reduce(cost)
-    if cost.all():  # no zero cost (NaN counts as true): nothing to silence
-        return best / cost, state.baseline / cost
     with np.errstate(divide="ignore", invalid="ignore"):
-        return best / cost, state.baseline / cost
+        relative, individual = best / cost, state.baseline / cost
+        # Against the least slowed replica: a slowdown all share is none's.
+        finite = individual[np.isfinite(individual)]
+        if finite.size > 1:
+            individual = individual / finite.max()
+    return relative, individual
 
 
-def evaluate(state, *, threshold, patience, relative_threshold=None):
+def noise_floor(state, cost, min_excess_seconds):
+    """`(floor, noise)`: the excess a low score needs, and the new noise.
+
+    `noise` is `state.noise` updated with the latest reading's deviations.
+    """
+    rows = state.rows
+    scored = rows > 0
+    deviation = np.abs(state.readings - cost) * rows
+    pooled = deviation[:, scored]
+    pooled = np.sort(pooled[~np.isnan(pooled)])
+    mad = _sorted_median(pooled) if pooled.size else 0.0
+    newest = state.readings[-1]
+    latest = np.minimum(np.abs(newest - cost), cost) * rows
+    latest = latest[scored & ~np.isnan(latest)]
+    noise = state.noise
+    if latest.size:
+        mean = math.fsum(latest.tolist()) / latest.size
+        noise = noise + NOISE_DECAY * (mean - noise)
+    floor = max(min_excess_seconds, NOISE_MADS * mad, NOISE_MEANS * noise)
+    return floor, noise
+
+
+def _sorted_median(ordered):
+    """Median of a sorted, non-empty 1-D array, as `_median` computes it."""
+    middle, odd = divmod(len(ordered), 2)
+    if odd:
+        return float(ordered[middle])
+    return float(0.5 * (ordered[middle - 1] + ordered[middle]))
+
+
+def evaluate(
+    state,
+    *,
+    threshold,
+    patience,
+    relative_threshold=None,
+    min_excess_seconds=MIN_EXCESS_SECONDS,
+):
     """Scores the window and updates flags.
 
-    A replica is flagged after `patience` consecutive evaluations with its
-    individual score below `threshold` or its relative score below
-    `relative_threshold` (`threshold` if None), and recovers after
-    `patience` consecutive evaluations with neither. Nothing is scored until
-    the window is full once.
+    A replica is low when its individual score is below `threshold` or its
+    relative score below `relative_threshold` (`threshold` if None). It is
+    flagged after `patience` consecutive low evaluations, each with an
+    excess time above the noise floor (see the module docstring;
+    `min_excess_seconds` is its least value), and recovers after `patience`
+    consecutive evaluations that are not low, whatever the noise: the floor
+    guards the alarm, not the all-clear, so a straggler on a noisy machine
+    does not flap. Nothing is scored until the window is full once.
 
     Returns:
         `(new_state, changes)`, `changes` a list of
@@ -146,18 +243,30 @@ def evaluate(state, *, threshold, patience, relative_threshold=None):
         return state, []
     cost = current_costs(state)
     relative, individual = scores(state, cost)
+    floor, noise = noise_floor(state, cost, min_excess_seconds)
+    best = np.fmin.reduce(cost)
     # The baseline is the lowest median seen, relaxed upward a little each
     # evaluation: over a long run the noise's luckiest window would
     # otherwise become the yardstick and flag ordinary jitter.
     # (fmin skips NaN: a replica's first median becomes its baseline.)
     baseline = np.fmin(state.baseline * (1.0 + BASELINE_RELAX), cost)
-    # NaN (no reading) compares False: not low.
     if relative_threshold is None:
         relative_threshold = threshold
-    low = (relative < relative_threshold) | (individual < threshold)
+    newest = state.readings[-1]
+    current = np.where(newest < cost, newest, cost)
+    # NaN (no reading) compares False: not low.
+    with np.errstate(invalid="ignore"):
+        relative_excess = (current - best) * state.rows
+        individual_excess = (current - cost * individual) * state.rows
+    slow = relative < relative_threshold
+    lost = individual < threshold
+    costly = (slow & (relative_excess > floor)) | (
+        lost & (individual_excess > floor)
+    )
+    flagged = state.flagged
+    low = np.where(flagged, slow | lost, costly)
     below = np.where(low, state.below + 1, 0)
     above = np.where(low, 0, state.above + 1)
-    flagged = state.flagged
     starts = ~flagged & (below >= patience)
     ends = flagged & (above >= patience)
     changes = []
@@ -172,8 +281,13 @@ def evaluate(state, *, threshold, patience, relative_threshold=None):
                     float(individual[replica]),
                 )
             )
-    new_state = ScoreState(
-        state.readings, state.seen, baseline, below, above, flagged
+    new_state = dataclasses.replace(
+        state,
+        baseline=baseline,
+        below=below,
+        above=above,
+        flagged=flagged,
+        noise=noise,
     )
     return new_state, changes
 
@@ -206,6 +320,8 @@ class Scorer:
         self.below = [0] * num_replicas
         self.above = [0] * num_replicas
         self.flagged = [False] * num_replicas
+        self.rows = [0.0] * num_replicas
+        self.noise = 0.0
 
     @classmethod
     def from_state(cls, state):
@@ -218,6 +334,8 @@ class Scorer:
         scorer.below = [int(v) for v in state.below]
         scorer.above = [int(v) for v in state.above]
         scorer.flagged = [bool(v) for v in state.flagged]
+        scorer.rows = [float(v) for v in state.rows]
+        scorer.noise = float(state.noise)
         return scorer
 
     def state(self):
@@ -229,6 +347,8 @@ class Scorer:
             below=np.array(self.below, np.int64),
             above=np.array(self.above, np.int64),
             flagged=np.array(self.flagged, bool),
+            rows=np.array(self.rows, np.float64),
+            noise=self.noise,
         )
 
     def step(
@@ -239,34 +359,53 @@ class Scorer:
         threshold,
         patience,
         relative_threshold=None,
+        min_excess_seconds=MIN_EXCESS_SECONDS,
     ):
         """Adds one reading and evaluates; returns `evaluate`'s changes."""
         if relative_threshold is None:
             relative_threshold = threshold
         nan = float("nan")
+        self.rows = [float(r) for r in rows]
         reading = [
-            float(s) / float(r) if r > 0 else nan
-            for r, s in zip(rows, compute_seconds)
+            float(s) / r if r > 0 else nan
+            for r, s in zip(self.rows, compute_seconds)
         ]
         self.readings.pop(0)
         self.readings.append(reading)
         self.seen += 1
         if self.seen < self.window:
             return []
-        cost = [_median(column) for column in zip(*self.readings)]
+        columns = list(zip(*self.readings))
+        cost = [_median(column) for column in columns]
         known = [c for c in cost if c == c]
         best = min(known) if known else nan
+        ratios = [_ratio(b, c) for b, c in zip(self.baseline, cost)]
+        finite = [r for r in ratios if math.isfinite(r)]
+        if len(finite) > 1:  # against the least slowed replica
+            peak = max(finite)
+            ratios = [_ratio(r, peak) for r in ratios]
+        floor = self._noise_floor(columns, cost, min_excess_seconds)
         changes = []
         for replica, value in enumerate(cost):
             relative = _ratio(best, value)
-            individual = _ratio(self.baseline[replica], value)
+            individual = ratios[replica]
+            rows_now = self.rows[replica]
+            newest = reading[replica]
+            current = newest if newest < value else value
             relaxed = self.baseline[replica] * (1.0 + BASELINE_RELAX)
             # fmin: NaN loses to a number.
             if value == value and not relaxed <= value:
                 self.baseline[replica] = value
             else:
                 self.baseline[replica] = relaxed
-            low = relative < relative_threshold or individual < threshold
+            slow = relative < relative_threshold
+            lost = individual < threshold
+            if self.flagged[replica]:
+                low = slow or lost
+            else:
+                low = (slow and (current - best) * rows_now > floor) or (
+                    lost and (current - value * individual) * rows_now > floor
+                )
             if low:
                 self.below[replica] += 1
                 self.above[replica] = 0
@@ -283,6 +422,29 @@ class Scorer:
             self.flagged[replica] = not flagged
             changes.append((replica, kind, relative, individual))
         return changes
+
+    def _noise_floor(self, columns, cost, min_excess_seconds):
+        """`noise_floor` on lists; updates `self.noise`."""
+        pooled = [
+            abs(v - c) * r
+            for column, c, r in zip(columns, cost, self.rows)
+            if r > 0
+            for v in column
+            if v == v
+        ]
+        mad = _median(pooled) if pooled else 0.0
+        latest = []
+        for v, c, r in zip(self.readings[-1], cost, self.rows):
+            deviation = abs(v - c)
+            deviation = deviation if deviation < c else c
+            if r > 0 and v == v:
+                latest.append(deviation * r)
+        if latest:
+            mean = math.fsum(latest) / len(latest)
+            self.noise = self.noise + NOISE_DECAY * (mean - self.noise)
+        return max(
+            min_excess_seconds, NOISE_MADS * mad, NOISE_MEANS * self.noise
+        )
 
 
 def _median(values):

@@ -41,11 +41,12 @@ def layers(regularizer=False):
     return inputs, keras.layers.Dense(1)(hidden)
 
 
-def compile_model(model):
+def compile_model(model, steps_per_execution=1):
     model.compile(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
         loss="mse",
         metrics=["mae"],
+        steps_per_execution=steps_per_execution,
     )
     return model
 
@@ -65,12 +66,14 @@ def reference_fit(epochs=2, sample_weights=False, regularizer=False):
     return model, history.history
 
 
-def hetero_model(regularizer=False, **kwargs):
+def hetero_model(regularizer=False, steps_per_execution=1, **kwargs):
     """A compiled HeteroModel with the reference's initial weights.
 
     Call inside the strategy scope.
     """
-    model = compile_model(kh.HeteroModel(*layers(regularizer), **kwargs))
+    model = compile_model(
+        kh.HeteroModel(*layers(regularizer), **kwargs), steps_per_execution
+    )
     model.set_weights(initial_weights(regularizer))
     return model
 
@@ -105,7 +108,7 @@ class RecordIds(keras.layers.Layer):
         return x + zero
 
 
-def id_model(seen, seconds_per_row):
+def id_model(seen, seconds_per_row, steps_per_execution=1):
     """A HeteroModel over {"x", "id"} inputs that records the ids it trains
     on; build inside the strategy scope."""
     x_in = keras.Input((FEATURES,), name="x")
@@ -115,7 +118,11 @@ def id_model(seen, seconds_per_row):
     model = kh.HeteroModel(
         {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded)
     )
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="mse",
+        steps_per_execution=steps_per_execution,
+    )
     return model
 
 

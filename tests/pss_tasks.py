@@ -98,6 +98,35 @@ def fit_evaluate_save(cluster, events, directory):
     }
 
 
+def sharded_input(cluster, events):
+    """`kh.data.shard` (shuffled) as fit / evaluate input: one global batch
+    per step, every global batch's rows once per pass of both workers."""
+    import helpers
+
+    import keras_hetero as kh
+
+    strategy = _strategy(cluster)
+    model = _model(strategy)
+
+    def dataset():
+        return kh.data.shard(
+            helpers.examples(), 16, strategy=strategy, shuffle=True, seed=9
+        )
+
+    before = model.evaluate(dataset(), return_dict=True, verbose=0)
+    history = model.fit(dataset(), epochs=3, verbose=0)
+    telemetry = model._hetero.parameter_server.telemetry
+    after = model.evaluate(dataset(), return_dict=True, verbose=0)
+    return {
+        "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "before": before["loss"],
+        "after": after["loss"],
+        "steps_per_worker": telemetry.steps_per_worker.tolist(),
+        "rows": model.step_stats.rows.tolist(),
+    }
+
+
 def slow_worker(cluster, events):
     """Worker 1 is 20x slower (simulated): flagged, and does fewer steps."""
     import keras_hetero as kh
@@ -173,7 +202,7 @@ def killed_worker(cluster, events):
     }
 
 
-def checkpoint_resume(cluster, events, directory):
+def checkpoint_resume(cluster, events, directory, steps_per_execution=1):
     """Stops after step 6 (the checkpoint saves it); a fresh model resumes
     there: epoch 0 step 6, the saved weights and optimizer step."""
     import numpy as np
@@ -188,7 +217,7 @@ def checkpoint_resume(cluster, events, directory):
             if batch == 5:
                 self.model.stop_training = True
 
-    first = _model(strategy)
+    first = _model(strategy, steps_per_execution=steps_per_execution)
     first.fit(
         _batched,
         epochs=2,
@@ -217,7 +246,7 @@ def checkpoint_resume(cluster, events, directory):
         def on_epoch_begin(self, epoch, logs=None):
             restored.setdefault("first_epoch", epoch)
 
-    second = _model(strategy)
+    second = _model(strategy, steps_per_execution=steps_per_execution)
     checkpoint = kh.callbacks.ElasticCheckpoint(directory, save_every=4)
     second.fit(
         _batched,
@@ -235,4 +264,67 @@ def checkpoint_resume(cluster, events, directory):
         "first_batch": restored["first_batch"],
         "final_iterations": int(second.optimizer.iterations.numpy()),
         "restored_from": str(checkpoint.restored_from),
+    }
+
+
+def keras_callbacks_resume(cluster, events, directory):
+    """Keras' BackupAndRestore, ModelCheckpoint and CSVLogger on the
+    coordinator: a fit interrupted at epoch 2 (an error, as in Keras'
+    BackupAndRestore example) and run again resumes at epoch 2."""
+    import os
+
+    from keras_hetero._compat import keras
+
+    strategy = _strategy(cluster)
+    begun = []
+
+    class Interrupt(keras.callbacks.Callback):
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def on_epoch_begin(self, epoch, logs=None):
+            begun.append(epoch)
+            if epoch == self.at:
+                raise RuntimeError("Interrupting!")
+
+    def fit(interrupt_at):
+        model = _model(strategy)
+        callbacks = [
+            keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(directory, "checkpoints", "{epoch}.keras")
+            ),
+            keras.callbacks.CSVLogger(
+                os.path.join(directory, "log.csv"), append=True
+            ),
+            Interrupt(interrupt_at),
+        ]
+        model.fit(
+            _batched,
+            epochs=4,
+            steps_per_epoch=5,
+            verbose=0,
+            callbacks=callbacks,
+        )
+        return model
+
+    try:
+        fit(interrupt_at=2)
+    except RuntimeError:
+        pass
+    interrupted = list(begun)
+    model = fit(interrupt_at=None)
+    with open(os.path.join(directory, "log.csv")) as f:
+        logged = [line.split(",")[0] for line in f.read().splitlines()[1:]]
+    return {
+        "interrupted": interrupted,
+        "resumed": begun[len(interrupted) :],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "files": sorted(
+            os.path.relpath(os.path.join(parent, name), directory)
+            for parent, _, names in os.walk(directory)
+            for name in names
+        ),
+        "logged_epochs": logged,
     }

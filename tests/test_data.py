@@ -121,3 +121,172 @@ def test_map_fn_runs_after_the_split_on_each_slice():
     np.testing.assert_allclose(features[1], x[12:16] * 2.0)
     with pytest.raises(TypeError, match="map_fn"):
         kh.data.shard(examples, 16, map_fn="decode")
+
+
+def _pass_ids(strategy, dataset):
+    """The ids of one pass over `dataset`, in global batch order."""
+    return [
+        row
+        for parts in _slices(strategy, dataset.as_distributed_dataset())
+        for part in parts
+        for row in part
+    ]
+
+
+def _shuffled(strategy, shuffle, seed, rows=helpers.ROWS):
+    ids = tf.data.Dataset.from_tensor_slices(np.arange(rows, dtype="int64"))
+    return kh.data.shard(
+        ids,
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
+        shares=[0.6, 0.4],
+        shuffle=shuffle,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("shuffle", [True, 20], ids=["whole-pass", "buffer"])
+def test_shuffle_gives_each_pass_its_own_seeded_order(shuffle):
+    strategy = helpers.mirrored(DEVICES[:2])
+    dataset = _shuffled(strategy, shuffle, seed=7)
+    passes = [_pass_ids(strategy, dataset) for _ in range(3)]
+    for ids in passes:
+        assert sorted(ids) == list(range(helpers.ROWS))  # exactly once
+    assert passes[0] != list(range(helpers.ROWS))
+    assert passes[0] != passes[1] != passes[2] != passes[0]
+    # The order of pass p is a function of (seed, p) alone: not of the
+    # process's global TensorFlow seed, nor of the dataset object.
+    tf.random.set_seed(12345)
+    again = _shuffled(strategy, shuffle, seed=7)
+    assert [_pass_ids(strategy, again) for _ in range(3)] == passes
+    other = _shuffled(strategy, shuffle, seed=8)
+    assert _pass_ids(strategy, other) != passes[0]
+    if shuffle == 20:  # output k is one of the first k + 20 examples
+        assert all(row < k + 20 for k, row in enumerate(passes[0]))
+
+
+def test_resume_after_repeats_the_interrupted_pass_order():
+    strategy = helpers.mirrored(DEVICES[:2])
+    dataset = _shuffled(strategy, True, seed=3)
+    passes = [_pass_ids(strategy, dataset) for _ in range(3)]
+    # A new process resumes pass 2 after 20 of its examples, with the
+    # checkpoint's seed (its own would differ).
+    resumed = _shuffled(strategy, True, seed=99)
+    resumed.resume_after(20, pass_number=2, seed=3)
+    assert _pass_ids(strategy, resumed) == passes[2][20:]
+    assert resumed.next_pass == 3
+    # It then counts on: its pass 3 is pass 3 of seed 3 everywhere.
+    check = _shuffled(strategy, True, seed=3)
+    check.resume_after(0, pass_number=3)
+    assert _pass_ids(strategy, resumed) == _pass_ids(strategy, check)
+
+
+def test_without_seed_one_is_drawn_from_numpy_when_iterated():
+    strategy = helpers.mirrored(DEVICES[:2])
+    first, second = (_shuffled(strategy, True, None) for _ in range(2))
+    assert first.seed is None
+    np.random.seed(11)
+    order = _pass_ids(strategy, first)
+    np.random.seed(11)
+    assert _pass_ids(strategy, second) == order
+    assert first.seed == second.seed is not None
+    assert _shuffled(strategy, None, None).shuffling is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"shuffle": 0}, "shuffle=0"),
+        ({"shuffle": -5}, "buffer size"),
+        ({"shuffle": "yes"}, "shuffle='yes'"),
+        ({"shuffle": 2.5}, "shuffle=2.5"),
+        ({"seed": -1}, "seed=-1"),
+        ({"seed": 1.5}, "seed=1.5"),
+    ],
+)
+def test_bad_shuffle_and_seed_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kh.data.shard(helpers.examples(), 16, **kwargs)
+
+
+def test_whole_pass_shuffle_needs_a_known_number_of_examples():
+    unknown = helpers.examples().filter(lambda x, y: True)
+    with pytest.raises(ValueError, match="unknown or infinite"):
+        kh.data.shard(unknown, 16, shuffle=True)
+    assert kh.data.shard(unknown, 16, shuffle=100).shuffling == 100
+
+
+def test_with_options_prefetch_and_cache_keep_the_split():
+    strategy = helpers.mirrored(DEVICES[:2])
+    dataset = _ids_dataset(strategy, [0.7, 0.3])
+    expected = list(_slices(strategy, dataset.as_distributed_dataset()))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF
+    )
+    options.threading.private_threadpool_size = 2
+    view = dataset.with_options(options).prefetch(2).cache()
+    assert list(_slices(strategy, view.as_distributed_dataset())) == expected
+    pipeline = view._pipeline(tf.distribute.InputContext(), repeat=False)
+    assert pipeline.options().threading.private_threadpool_size == 2
+    # A view shares the shares: a ShardRebalancer of either moves both.
+    dataset.shares = [0.25, 0.75]
+    np.testing.assert_allclose(view.shares, [0.25, 0.75])
+
+
+def test_with_options_refuses_what_breaks_exactly_once():
+    dataset = kh.data.shard(helpers.examples(), 16)
+    data_policy = tf.data.Options()
+    data_policy.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    with pytest.raises(ValueError, match="auto_shard_policy"):
+        dataset.with_options(data_policy)
+    unordered = tf.data.Options()
+    unordered.deterministic = False
+    with pytest.raises(ValueError, match="deterministic=False"):
+        dataset.with_options(unordered)
+    with pytest.raises(TypeError, match="tf.data.Options"):
+        dataset.with_options({"deterministic": True})
+
+
+@pytest.mark.parametrize(
+    "method, advice",
+    [
+        ("map", "map_fn="),
+        ("batch", "global_batch_size="),
+        ("shuffle", "shuffle="),
+        ("repeat", "as_distributed_dataset"),
+        ("filter", "before `kh.data.shard`"),
+        ("cardinality", "num_batches"),
+    ],
+)
+def test_other_tf_data_methods_say_what_to_use_instead(method, advice):
+    dataset = kh.data.shard(helpers.examples(), 16)
+    with pytest.raises(AttributeError, match=advice):
+        getattr(dataset, method)
+    assert not hasattr(dataset, method)
+    with pytest.raises(AttributeError, match="no attribute 'spam'"):
+        dataset.spam  # noqa: B018
+
+
+def _batches(dataset, count):
+    return [np.asarray(x) for x, _ in dataset.take(count).as_numpy_iterator()]
+
+
+@pytest.mark.parametrize("shuffle", [None, True])
+def test_parameter_server_dataset_is_the_one_device_batch_stream(shuffle):
+    # 72 examples in global batches of 16: 5 per pass (the last of 8 rows).
+    seed = 5 if shuffle else None
+    one_device = kh.data.shard(
+        helpers.examples(), 16, shuffle=shuffle, seed=seed
+    ).as_distributed_dataset()
+    expected = _batches(one_device, 5) + _batches(one_device, 5)
+    stream = kh.data.shard(
+        helpers.examples(), 16, shuffle=shuffle, seed=seed
+    ).parameter_server_dataset()
+    got = _batches(stream, 10)
+    for g, w in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(g, w)
+    if shuffle:
+        assert not np.array_equal(expected[0], expected[5])

@@ -7,6 +7,7 @@ import shutil
 import helpers
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
@@ -44,10 +45,10 @@ class StepIds(keras.callbacks.Callback):
         self._mark = len(self.seen)
 
 
-def _model(strategy, seen, seed):
+def _model(strategy, seen, seed, steps_per_execution=1):
     keras.utils.set_random_seed(seed)
     with strategy.scope():
-        return helpers.id_model(seen, 0.0)
+        return helpers.id_model(seen, 0.0, steps_per_execution)
 
 
 def _data(strategy, shares=None):
@@ -125,6 +126,46 @@ def test_mid_epoch_resume_continues_exactly(tmp_path, async_save):
     assert len(history.history["loss"]) == 2
     # Same shares restored (the checkpoint carried them).
     np.testing.assert_allclose(second_shares(resumed), [0.75, 0.25])
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_resume_counts_steps_not_calls(tmp_path, steps_per_execution):
+    # Keras calls the batch callbacks once per `steps_per_execution` steps.
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+
+    seen = []
+    first = _model(strategy, seen, 1, steps_per_execution)
+    first.set_weights(initial)
+    first.fit(
+        _data(strategy, [0.75, 0.25]),
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(
+                tmp_path, save_every=steps_per_execution
+            ),
+            StopAfter(2),
+        ],
+    )
+    trained = 2 * steps_per_execution
+    assert checkpointing.read_latest(tmp_path) == (
+        checkpointing.checkpoint_name(trained)
+    )
+    trained_before = list(seen)
+    assert len(trained_before) == trained * BATCH
+
+    seen.clear()
+    second = _model(strategy, seen, 99, steps_per_execution)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path)
+    second.fit(_data(strategy), epochs=2, verbose=0, callbacks=[resumed])
+    epoch0 = trained_before + seen[: ROWS - len(trained_before)]
+    assert sorted(epoch0) == list(range(ROWS))
+    assert sorted(seen[ROWS - len(trained_before) :]) == list(range(ROWS))
+    assert int(second.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
     helpers.assert_weights_close(second.get_weights(), reference.get_weights())
 
 
@@ -389,3 +430,72 @@ def test_resume_with_another_global_batch_scales_the_learning_rate(
 def test_bad_resize_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="resize='shrink'"):
         kh.callbacks.ElasticCheckpoint(tmp_path, resize="shrink")
+
+
+def test_shuffled_array_input_resumes_with_the_epoch_order(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    x, y, _, ids = helpers.arrays(ROWS)
+    inputs = {"x": x, "id": ids}
+
+    def fit(model, seen, callbacks):
+        steps = StepIds(seen)
+        model.fit(
+            inputs,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[*callbacks, steps],
+        )
+        return steps.steps
+
+    seen = []
+    reference = _model(strategy, seen, seed=1)
+    initial = reference.get_weights()
+    expected = fit(reference, seen, [])
+
+    seen = []
+    first = _model(strategy, seen, seed=1)
+    first.set_weights(initial)
+    ckpt = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1)
+    before = fit(first, seen, [ckpt, StopAfter(13)])  # epoch 1, step 3
+    # A new process: other random state, so another shuffle seed would be
+    # drawn; the checkpoint's seed and pass give the epoch its order back.
+    seen = []
+    second = _model(strategy, seen, seed=99)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path)
+    after = fit(second, seen, [resumed])
+    assert resumed.restored_from is not None
+    assert expected[0] != expected[10]  # the epochs' orders differ
+    assert before + after == expected  # the same global batches
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+def test_one_replica_shards_arrays_for_the_checkpoint(tmp_path):
+    # With one replica fit keeps Keras' adapter, unless an ElasticCheckpoint
+    # needs the data position: then it shards the arrays, and resumes.
+    strategy = tf.distribute.get_strategy()
+    x, y, _, ids = helpers.arrays(ROWS)
+
+    def fit(model, seen, directory, stop=None):
+        steps = StepIds(seen)
+        callbacks = [kh.callbacks.ElasticCheckpoint(directory, save_every=1)]
+        model.fit(
+            {"x": x, "id": ids},
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[*callbacks, *([StopAfter(stop)] if stop else []), steps],
+        )
+        return steps.steps
+
+    seen = []
+    expected = fit(_model(strategy, seen, seed=1), seen, tmp_path / "a")
+    seen = []
+    before = fit(_model(strategy, seen, seed=1), seen, tmp_path / "b", stop=7)
+    seen = []
+    after = fit(_model(strategy, seen, seed=5), seen, tmp_path / "b")
+    assert before + after == expected
+    in_order = [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(10)]
+    assert expected[:10] != in_order  # shuffled (Keras' default)

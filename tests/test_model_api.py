@@ -167,11 +167,8 @@ def test_steps_per_execution_with_replicas():
     dataset = kh.data.shard(
         helpers.examples(rows=64), 16, strategy=strategy, shares=[0.75, 0.25]
     )
-    if kh.FLAVOUR == "keras3":
-        with pytest.raises(NotImplementedError, match="steps_per_execution"):
-            model.fit(dataset, epochs=1, verbose=0)
-        return
     seen = _record_stats(model, dataset)
+    assert [s.steps for s in seen] == [2, 2]
     assert [s.rows.tolist() for s in seen] == [[24, 8], [24, 8]]
 
 
@@ -205,6 +202,61 @@ def test_dataset_for_another_strategy_is_an_error():
     other = kh.data.shard(helpers.examples(), helpers.GLOBAL_BATCH)
     with pytest.raises(ValueError, match="sharded for"):
         model.fit(other, epochs=1, verbose=0)
+
+
+def test_dataset_for_another_instance_of_the_same_strategy_type_says_so():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    twin = kh.data.shard(
+        helpers.examples(),
+        helpers.GLOBAL_BATCH,
+        strategy=helpers.mirrored(DEVICES[:2]),
+    )
+    with pytest.raises(ValueError, match="another MirroredStrategy instance"):
+        model.fit(twin, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("labels", ["sparse", "one-hot"])
+def test_class_weight_with_a_hetero_dataset_equals_stock_keras(labels):
+    x, _, _, _ = helpers.arrays()
+    classes = np.argmax(x[:, :3], axis=1)
+    y = classes if labels == "sparse" else np.eye(3, dtype="float32")[classes]
+    loss = (
+        "sparse_categorical_crossentropy"
+        if labels == "sparse"
+        else "categorical_crossentropy"
+    )
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+
+    def classifier(cls):
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((helpers.FEATURES,))
+        outputs = keras.layers.Dense(3, activation="softmax")(inputs)
+        model = cls(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+
+    reference = classifier(keras.Model)
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = classifier(kh.HeteroModel)
+    model.set_weights(reference.get_weights())
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    data = kh.data.shard(
+        examples, helpers.GLOBAL_BATCH, strategy=strategy, shares=[0.7, 0.3]
+    )
+    history = model.fit(data, class_weight=class_weight, epochs=2, verbose=0)
+    expected = reference.fit(
+        examples.batch(helpers.GLOBAL_BATCH),
+        class_weight=class_weight,
+        epochs=2,
+        verbose=0,
+    )
+    assert history.history["loss"] == pytest.approx(
+        expected.history["loss"], rel=1e-5
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
 
 
 @pytest.mark.parametrize(

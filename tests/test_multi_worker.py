@@ -11,16 +11,24 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "num_workers, shares",
-    [(2, [0.75, 0.25]), (2, [1.0, 0.0]), (3, [0.5, 0.3, 0.2])],
-    ids=["2w-75_25", "2w-100_0", "3w-50_30_20"],
+    "num_workers, shares, steps_per_execution",
+    [
+        (2, [0.75, 0.25], 1),
+        (2, [1.0, 0.0], 1),
+        (3, [0.5, 0.3, 0.2], 1),
+        # 5 batches per epoch: calls of 2, 2 and 1 steps.
+        (3, [0.5, 0.3, 0.2], 2),
+    ],
+    ids=["2w-75_25", "2w-100_0", "3w-50_30_20", "3w-50_30_20-2_per_call"],
 )
-def test_fit_evaluate_predict_match_single_device(num_workers, shares):
+def test_fit_evaluate_predict_match_single_device(
+    num_workers, shares, steps_per_execution
+):
     results = kh.testing.run_workers(
         workers_lib.train_mwms,
         num_workers,
-        timeout=240,
-        args=(shares, 2, True, True),
+        timeout=300,
+        args=(shares, 2, True, True, steps_per_execution),
     )
     reference, reference_history = helpers.reference_fit(
         sample_weights=True, regularizer=True
@@ -46,7 +54,8 @@ def test_fit_evaluate_predict_match_single_device(num_workers, shares):
         np.testing.assert_allclose(
             value["predictions"], expected_predictions, rtol=1e-5, atol=1e-6
         )
-        # Every worker sees every replica's rows (last, partial batch: 8).
+        # Every worker sees every replica's rows (last, partial batch: 8;
+        # with 2 steps per call the last call has only that batch).
         expected_rows = kh.data.rows_from_shares(
             kh.data.validate_shares(shares, num_workers), 8
         )

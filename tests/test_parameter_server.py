@@ -125,6 +125,19 @@ def test_fit_evaluate_save_load_and_per_worker_telemetry(tmp_path):
     assert value["twice_iterations"] == 6
 
 
+def test_kh_data_shard_input():
+    with _coordinator("sharded_input") as (_, _, result):
+        value = result()
+    # 72 examples in global batches of 16: 5 steps an epoch by default.
+    assert value["iterations"] == 15, value
+    assert sum(value["steps_per_worker"]) == 15
+    assert min(value["steps_per_worker"]) > 0, value
+    assert len(value["loss"]) == 3 and np.all(np.isfinite(value["loss"]))
+    assert value["after"] < 0.8 * value["before"], value
+    # A step is one whole global batch (16 rows, or a pass's last 8).
+    assert sum(value["rows"]) % 8 == 0 and sum(value["rows"]) > 0, value
+
+
 def test_slow_worker_is_flagged_and_does_fewer_steps():
     with _coordinator("slow_worker") as (_, _, result):
         value = result()
@@ -184,8 +197,15 @@ def test_arguments_without_meaning_under_parameter_server_are_refused():
     }
 
 
-def test_elastic_checkpoint_resumes_at_the_saved_step(tmp_path):
-    with _coordinator("checkpoint_resume", (str(tmp_path),)) as (_, _, result):
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_elastic_checkpoint_resumes_at_the_saved_step(
+    tmp_path, steps_per_execution
+):
+    # With 2 steps per closure the stop comes after the closure of steps
+    # 5 and 6: the checkpoint counts steps, not closures.
+    with _coordinator(
+        "checkpoint_resume", (str(tmp_path), steps_per_execution)
+    ) as (_, _, result):
         value = result()
     # The coordinator wrote the parameter servers' variables; the resumed
     # fit starts with them, at epoch 0 step 6 (fresh input: at-least-once).
@@ -194,3 +214,25 @@ def test_elastic_checkpoint_resumes_at_the_saved_step(tmp_path):
     assert (value["first_epoch"], value["first_batch"]) == (0, 6)
     assert value["final_iterations"] == 20  # 6 + the 4 left + 10
     assert str(tmp_path) in value["restored_from"]
+
+
+def test_keras_callbacks_on_the_coordinator_resume_at_the_epoch(tmp_path):
+    with _coordinator("keras_callbacks_resume", (str(tmp_path),)) as (
+        _,
+        _,
+        result,
+    ):
+        value = result()
+    # Only the coordinator runs callbacks (it writes every file); the
+    # restored epoch reaches the parameter-server loop.
+    assert value["interrupted"] == [0, 1, 2]
+    assert value["resumed"] == [2, 3]
+    assert value["iterations"] == 4 * 5  # 2 epochs restored + 2 run
+    assert value["files"] == [
+        "checkpoints/1.keras",
+        "checkpoints/2.keras",
+        "checkpoints/3.keras",
+        "checkpoints/4.keras",
+        "log.csv",
+    ]  # the backup is deleted at the end
+    assert value["logged_epochs"] == ["0", "1", "2", "3"]

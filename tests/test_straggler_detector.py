@@ -5,7 +5,9 @@ import logging
 import time
 
 import helpers
+import numpy as np
 import pytest
+import tensorflow as tf
 import workers_lib
 from conftest import DEVICES
 
@@ -63,6 +65,43 @@ def test_slowed_replica_is_flagged_with_hook_logs_and_tensorboard(
     assert list(tmp_path.iterdir())  # TensorBoard event file written
 
 
+def test_equal_replicas_raise_no_false_alarm():
+    # Two equal logical CPUs, millisecond steps of a small MLP and no
+    # simulated slowness: the steps' own scheduling jitter (on a shared
+    # 2-core machine) is all there is. Three epochs, 450 steps.
+    strategy = helpers.mirrored(DEVICES[:2])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128 * 150, 32)).astype("float32")
+    examples = tf.data.Dataset.from_tensor_slices((x, x[:, :1]))
+    with strategy.scope():
+        inputs = keras.Input((32,))
+        hidden = keras.layers.Dense(256, activation="relu")(inputs)
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="sgd", loss="mse")
+    detector = kh.callbacks.StragglerDetector()
+    data = kh.data.shard(examples, 128, strategy=strategy)
+    model.fit(data, epochs=3, verbose=0, callbacks=[detector])
+    assert int(model.optimizer.iterations.numpy()) == 450
+    assert detector.events == []
+
+
+def test_a_1_5x_slowdown_is_flagged_within_10_steps():
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, slow = _model(strategy, [0.004, 0.004])  # 32 ms steps
+    detector = kh.callbacks.StragglerDetector()
+    data = kh.data.shard(helpers.examples(rows=16 * 45), 16, strategy=strategy)
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[_SlowDownAt(slow, 20, [0.004, 0.006]), detector],
+    )
+    assert [(e.replica, e.kind) for e in detector.events] == [(1, "straggler")]
+    assert 20 < detector.events[0].step <= 20 + 10
+    assert detector.events[0].relative_score < 0.7
+
+
 def test_stop_action_stops_training_and_rebalance_action_moves_shares():
     strategy = helpers.mirrored(DEVICES[:2])
     model, _ = _model(strategy, [0.001, 0.004])
@@ -85,6 +124,30 @@ def test_stop_action_stops_training_and_rebalance_action_moves_shares():
     assert saved == [True]
     assert model.optimizer.iterations.numpy() < 40  # stopped early
     assert data.shares[0] > 0.6  # the rebalancer acted at once
+
+
+def test_restored_detector_names_the_device_of_its_events():
+    # ElasticCheckpoint restores the scores with `set_state`; the next event
+    # still names its worker and device.
+    strategy = helpers.mirrored(DEVICES[:2])
+    model, _ = _model(strategy, [0.001, 0.001])
+    data = kh.data.shard(helpers.examples(rows=16 * 6), 16, strategy=strategy)
+    first = kh.callbacks.StragglerDetector(window=3, patience=1)
+    model.fit(data, epochs=1, verbose=0, callbacks=[first])
+    state = first.get_state()
+    assert state["scores"] is not None
+
+    model, _ = _model(strategy, [0.001, 0.004])
+    restored = kh.callbacks.StragglerDetector(window=3, patience=1)
+
+    class Restore(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            restored.set_state(state)
+
+    model.fit(data, epochs=1, verbose=0, callbacks=[restored, Restore()])
+    stragglers = [e for e in restored.events if e.kind == "straggler"]
+    assert [e.replica for e in stragglers] == [1]
+    assert stragglers[0].device.endswith("CPU:1")
 
 
 def test_plain_keras_model_per_worker_individual_score():
@@ -130,6 +193,8 @@ def test_relative_threshold_spares_a_device_slower_by_design():
         ({"relative_threshold": 0}, ValueError, "relative_threshold=0"),
         ({"relative_threshold": "low"}, ValueError, "relative_threshold"),
         ({"patience": 0}, ValueError, "patience=0"),
+        ({"min_excess_seconds": -1}, ValueError, "min_excess_seconds=-1"),
+        ({"min_excess_seconds": "3ms"}, ValueError, "min_excess_seconds"),
         ({"action": "explode"}, ValueError, "explode"),
         ({"action": "rebalance"}, ValueError, "rebalancer"),
         ({"on_straggler": "print"}, TypeError, "on_straggler"),

@@ -4,7 +4,13 @@ They are module-level (picklable) and import TensorFlow only when called.
 """
 
 
-def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
+def train_mwms(
+    shares,
+    epochs=2,
+    sample_weights=False,
+    regularizer=False,
+    steps_per_execution=1,
+):
     """Fit / evaluate / predict a HeteroModel under MultiWorkerMirrored."""
     import helpers
     import tensorflow as tf
@@ -13,7 +19,9 @@ def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = helpers.hetero_model(regularizer=regularizer)
+        model = helpers.hetero_model(
+            regularizer=regularizer, steps_per_execution=steps_per_execution
+        )
     dataset = kh.data.shard(
         helpers.examples(sample_weights=sample_weights),
         helpers.GLOBAL_BATCH,
@@ -42,6 +50,30 @@ def train_mwms(shares, epochs=2, sample_weights=False, regularizer=False):
         "rows": stats.rows,
         "devices": stats.devices,
         "num_replicas": strategy.num_replicas_in_sync,
+    }
+
+
+def unknown_length_mwms(shares, steps_per_execution):
+    """Fit on examples of unknown length; the weights and steps taken."""
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero import _compat
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = helpers.hetero_model(steps_per_execution=steps_per_execution)
+    examples = helpers.examples().filter(lambda x, y: True)
+    data = kh.data.shard(
+        examples, helpers.GLOBAL_BATCH, strategy=strategy, shares=shares
+    )
+    # tf-keras needs the epoch length of an unknown-length input.
+    kwargs = {"steps_per_epoch": 5} if _compat.IS_LEGACY else {}
+    model.fit(data, epochs=2, verbose=0, **kwargs)
+    return {
+        "weights": model.get_weights(),
+        "iterations": int(model.optimizer.iterations.numpy()),
     }
 
 
@@ -201,3 +233,103 @@ def observe_mwms(out):
         "report": None if report.files is None else report.files.html,
         "rows": model.step_stats.rows.tolist(),
     }
+
+
+def arrays_mwms(rows):
+    """Numpy input under MultiWorkerMirrored: a fit in order with sample
+    weights, validation_split and ShardRebalancer(), evaluate, predict; a
+    shuffled fit; a shuffled kh.data.shard without seed. The workers' random
+    states differ on purpose for the shuffled parts."""
+    import json
+    import os
+
+    import helpers
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y, weights, ids = helpers.arrays(rows)
+    inputs = {"x": x, "id": ids}
+    seen = []
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = helpers.id_model(seen, [0.004, 0.0005])
+    initial = model.get_weights()
+    rebalancer = kh.callbacks.ShardRebalancer(
+        every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
+    )
+    history = model.fit(
+        inputs,
+        y,
+        sample_weight=weights,
+        batch_size=24,
+        epochs=2,
+        shuffle=False,
+        validation_split=0.25,
+        verbose=0,
+        callbacks=[rebalancer],
+    )
+    result = {
+        "initial": initial,
+        "weights": model.get_weights(),
+        "history": history.history,
+        "changes": len(rebalancer.changes),
+        "shares": rebalancer.dataset.shares,
+        "evaluate": model.evaluate(
+            inputs,
+            y,
+            sample_weight=weights,
+            batch_size=10,
+            return_dict=True,
+            verbose=0,
+        ),
+        "predict": model.predict(inputs, batch_size=7, verbose=0),
+    }
+
+    np.random.seed(task)
+    tf.random.set_seed(task)
+    steps = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.clear()
+
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(sorted(seen))
+
+    shuffled = kh.callbacks.ShardRebalancer(
+        every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
+    )
+    model.fit(
+        inputs,
+        y,
+        batch_size=24,
+        epochs=2,
+        verbose=0,
+        callbacks=[shuffled, Steps()],
+    )
+    result["shuffled_steps"] = steps
+    result["seed"] = shuffled.dataset.seed
+
+    data = kh.data.shard(
+        tf.data.Dataset.from_tensor_slices(ids),
+        24,
+        strategy=strategy,
+        shares=[0.3, 0.7],
+        shuffle=10,
+    )
+    local = []
+    for _ in range(2):
+        for batch in data.as_distributed_dataset():
+            local.append(
+                [
+                    np.asarray(part).tolist()
+                    for part in strategy.experimental_local_results(batch)
+                ]
+            )
+    result["shard_steps"] = local
+    return result

@@ -47,9 +47,12 @@ class ElasticCheckpoint(keras.callbacks.Callback):
     all workers restore, so under MultiWorkerMirroredStrategy `directory`
     must be one every worker can read (shared storage across machines).
 
-    Exact resume needs the examples in the same order every epoch (no
-    `shuffle` with `reshuffle_each_iteration=True` unless seeded per epoch,
-    e.g. shuffle the file list once with a fixed seed). Metrics of the
+    Exact resume needs each epoch's order of examples to be known again
+    after the restart: shuffle with `kh.data.shard(..., shuffle=...)` or
+    pass numpy arrays (`fit` shards them): the checkpoint holds the shuffle
+    seed and the pass, and the resumed epoch takes the order it had (the
+    checkpoint's seed wins over a new one). A `tf.data` shuffle of your own
+    needs a fixed seed and `reshuffle_each_iteration=False`. Metrics of the
     resumed epoch cover its remaining steps.
 
     Args:
@@ -141,6 +144,12 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         """
         self._chief = _distribute.is_chief(model.distribute_strategy)
         self._reset_counters()
+        # Pass number of the first epoch of this `fit` (the shuffle order of
+        # epoch e is the one of pass `first pass + e - first epoch`).
+        self._first_pass = (
+            getattr(self._dataset, "next_pass", None),
+            kwargs.get("initial_epoch", 0),
+        )
         found = checkpointing.newest_valid(self.directory)
         if found is None:
             return lambda: None
@@ -181,7 +190,15 @@ class ElasticCheckpoint(keras.callbacks.Callback):
                 dataset.num_replicas,
                 _distribute.num_workers(model.distribute_strategy),
             )
-        dataset.resume_after(done)
+        if isinstance(dataset, ParameterServerInput):
+            dataset.resume_after(done)
+        else:
+            data_pass = state.get("data_pass")
+            dataset.resume_after(
+                done, pass_number=data_pass, seed=state.get("shuffle_seed")
+            )
+            if data_pass is not None:
+                self._first_pass = (data_pass, epoch)
         # The step the resumed epoch starts at, counted in the new global
         # batches: the remaining examples take `remaining` steps.
         per_epoch = kwargs.get("steps_per_epoch") or dataset.num_batches
@@ -289,10 +306,13 @@ class ElasticCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._raise_writer_error()
-        self._global_step += 1
-        self._step_in_epoch += 1
-        self._examples_in_epoch += self._dataset.global_batch_size or 0
-        self._since_save += 1
+        steps = self._steps_of_call(batch)
+        self._global_step += steps
+        self._step_in_epoch += steps
+        self._examples_in_epoch += steps * (
+            self._dataset.global_batch_size or 0
+        )
+        self._since_save += steps
         if self._stop_requested:
             self.preempted = True
             self.save_now()
@@ -300,6 +320,15 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             return
         if self._chief and self._due():
             self._save(wait=not self.async_save)
+
+    def _steps_of_call(self, batch):
+        """Train steps that the call ending now ran: several with
+        `steps_per_execution > 1`, and fewer at an epoch's end."""
+        if isinstance(self._dataset, ParameterServerInput):
+            # `batch` is the epoch's last scheduled step (step_stats covers
+            # the closures collected, which lag behind).
+            return batch + 1 - self._step_in_epoch
+        return self.model.step_stats.steps
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras also ends an epoch that `stop_training` cut short; only a
@@ -395,6 +424,8 @@ class ElasticCheckpoint(keras.callbacks.Callback):
                 self.model.distribute_strategy
             ),
             "shares": [float(s) for s in dataset.shares],
+            "shuffle_seed": getattr(dataset, "seed", None),
+            "data_pass": self._data_pass(epoch),
             "callbacks": {
                 type(c).__name__: _plain(_without_schedule(c.get_state()))
                 for c in self._companions
@@ -404,6 +435,13 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             "flavour": _compat.FLAVOUR,
             "time": time.time(),
         }
+
+    def _data_pass(self, epoch):
+        """The number of the input pass that trains `epoch` (or None)."""
+        first_pass, first_epoch = getattr(self, "_first_pass", (None, 0))
+        if first_pass is None:
+            return None
+        return int(first_pass + epoch - first_epoch)
 
     def _save(self, wait):
 

@@ -22,15 +22,24 @@ class ShardRebalancer(keras.callbacks.Callback):
     every worker's input pipeline splits every batch the same way and every
     example is still seen exactly once per epoch. When a replica's speed
     changes, the window forgets the old speed within about `window / 2`
-    observations and the shares follow.
+    observations and the shares follow. With `steps_per_execution=k` Keras
+    calls the callback once per call of up to k steps: `every_n_steps` and
+    `warmup_steps` still count steps, and each call is one reading (its
+    rows and seconds summed).
 
     The epoch logs (and so `History` and the progress bar) get
     `share/replica_<i>`. With `fit(verbose=1)` or `2`, each change also
     prints one line: "ShardRebalancer: step 12: shares 0.143 0.286 0.571
     (rows 6 12 24) from batch 16".
 
+    Without `dataset` it acts on the input of each `fit` it is passed to:
+    a `kh.data.HeteroDataset`, or numpy arrays / tensors, which
+    `HeteroModel.fit` shards itself. With one replica there is nothing to
+    balance and it does nothing.
+
     Args:
-        dataset: The `kh.data.HeteroDataset` passed to `fit`.
+        dataset: The `kh.data.HeteroDataset` to act on. Defaults to `None`:
+            the input `fit` gets.
         every_n_steps: Steps between decisions. Defaults to `10`.
         warmup_steps: Steps ignored at the start of each `fit` (tracing,
             caches). Defaults to `2`.
@@ -45,20 +54,23 @@ class ShardRebalancer(keras.callbacks.Callback):
             Defaults to `4`.
 
     Raises:
-        TypeError: If `dataset` is not a `kh.data.HeteroDataset`.
+        TypeError: If `dataset` is not None or a `kh.data.HeteroDataset`.
         ValueError: For a non-positive `every_n_steps`, `window` or `lag`, a
             negative `warmup_steps`, `min_share` outside `[0, 1/replicas]`,
-            `max_rows` below 1, or `tolerance` < 0.
+            `max_rows` below 1, or `tolerance` < 0. At the start of `fit`
+            (without `dataset`): if the input cannot be rebalanced (a
+            `tf.data.Dataset` or generator under several replicas).
 
     Example:
 
+    >>> model.fit(x, y, callbacks=[ShardRebalancer()])  # doctest: +SKIP
     >>> data = kh.data.shard(examples, 64)  # doctest: +SKIP
     >>> model.fit(data, callbacks=[ShardRebalancer(data)])  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        dataset,
+        dataset=None,
         every_n_steps=10,
         *,
         warmup_steps=2,
@@ -69,12 +81,12 @@ class ShardRebalancer(keras.callbacks.Callback):
         lag=4,
     ):
         super().__init__()
-        if not isinstance(dataset, HeteroDataset):
+        if dataset is not None and not isinstance(dataset, HeteroDataset):
             raise TypeError(
                 "Invalid value for argument `dataset`. Received: "
                 f"dataset={dataset!r} of type {type(dataset).__name__}. "
                 "Expected the kh.data.HeteroDataset given to `fit` (made by "
-                "`kh.data.shard`)."
+                "`kh.data.shard`), or None for whatever `fit` gets."
             )
         for name, value, low in (
             ("every_n_steps", every_n_steps, 1),
@@ -83,13 +95,7 @@ class ShardRebalancer(keras.callbacks.Callback):
             ("warmup_steps", warmup_steps, 0),
         ):
             check_int(name, value, low)
-        replicas = dataset.num_replicas
-        if not 0.0 <= float(min_share) <= 1.0 / replicas:
-            raise ValueError(
-                "Invalid value for argument `min_share`. Received: "
-                f"min_share={min_share!r}. Expected a number in [0, "
-                f"1/{replicas}]."
-            )
+        _check_min_share(min_share, dataset)
         if max_rows is not None and np.any(np.asarray(max_rows) < 1):
             raise ValueError(
                 "Invalid value for argument `max_rows`. Received: "
@@ -101,6 +107,7 @@ class ShardRebalancer(keras.callbacks.Callback):
                 f"tolerance={tolerance!r}. Expected a number >= 0."
             )
         self.dataset = dataset
+        self._given = dataset
         self.every_n_steps = every_n_steps
         self.warmup_steps = warmup_steps
         self.window = window
@@ -110,9 +117,30 @@ class ShardRebalancer(keras.callbacks.Callback):
         self.lag = lag
         self._reset()
 
+    def _attach(self, dataset, model):
+        """Called by `HeteroModel.fit` with its input, before training."""
+        if self._given is not None:
+            return
+        if model.distribute_strategy.num_replicas_in_sync == 1:
+            self.dataset = None  # one replica: nothing to balance
+            return
+        if not isinstance(dataset, HeteroDataset):
+            raise ValueError(
+                "`ShardRebalancer()` without `dataset` rebalances the input "
+                "of `fit`: numpy arrays or tensors (sharded by `fit`), or a "
+                "`kh.data.HeteroDataset` (`kh.data.shard(examples, "
+                "global_batch_size)`). Received x of type "
+                f"{type(dataset).__name__}, whose per-replica rows cannot "
+                "change. Pass unbatched examples through `kh.data.shard`."
+            )
+        _check_min_share(self.min_share, dataset)
+        self.dataset = dataset
+        self._reset()
+
     def _reset(self):
         self._speeds = rebalance.SpeedWindow.empty(
-            self.dataset.num_replicas, self.window
+            self.dataset.num_replicas if self.dataset is not None else 1,
+            self.window,
         )
         self._steps = 0
         self._since_decision = 0
@@ -125,7 +153,7 @@ class ShardRebalancer(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         stats = getattr(self.model, "step_stats", None)
-        if stats is None:
+        if stats is None or self.dataset is None:
             return
         self._track_pass(stats.steps)
         self._steps += stats.steps
@@ -141,9 +169,12 @@ class ShardRebalancer(keras.callbacks.Callback):
         """Decides from the current window now (e.g. on a straggler event).
 
         Returns:
-            The new shares, or None if they stay.
+            The new shares, or None if they stay (or there is nothing to
+            balance).
         """
         self._since_decision = 0
+        if self.dataset is None:
+            return None
         shares = rebalance.decide(
             self._speeds,
             self.dataset.shares,
@@ -184,18 +215,20 @@ class ShardRebalancer(keras.callbacks.Callback):
         self._pass_steps += steps
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
+        if logs is not None and self.dataset is not None:
             for replica, share in enumerate(self.dataset.shares):
                 logs[f"share/replica_{replica}"] = float(share)
 
     def get_state(self):
         """Plain-data state, for checkpoints (see `set_state`)."""
-        return {
+        state = {
             "readings": self._speeds.readings.tolist(),
             "steps": self._steps,
             "since_decision": self._since_decision,
-            "schedule": self.dataset._schedule.get_state(),
         }
+        if self.dataset is not None:
+            state["schedule"] = self.dataset._schedule.get_state()
+        return state
 
     def set_state(self, state):
         """Restores `get_state()` output (and the dataset's share schedule,
@@ -205,5 +238,15 @@ class ShardRebalancer(keras.callbacks.Callback):
         )
         self._steps = int(state["steps"])
         self._since_decision = int(state["since_decision"])
-        if "schedule" in state:
+        if "schedule" in state and self.dataset is not None:
             self.dataset._schedule.set_state(state["schedule"])
+
+
+def _check_min_share(min_share, dataset):
+    replicas = 1 if dataset is None else dataset.num_replicas
+    if not 0.0 <= float(min_share) <= 1.0 / replicas:
+        raise ValueError(
+            "Invalid value for argument `min_share`. Received: "
+            f"min_share={min_share!r}. Expected a number in [0, "
+            f"1/{replicas}]."
+        )

@@ -27,11 +27,21 @@ class StragglerDetector(keras.callbacks.Callback):
     series per worker, so only the individual score is meaningful (coarser).
 
     Scores (see `kh.straggler`): relative = best replica's seconds per row /
-    this replica's; individual = this replica's baseline / its current value,
-    both over the median of the last `window` steps. A replica whose
-    individual score stays below `threshold` (or relative score below
-    `relative_threshold`) for `patience` evaluations becomes a straggler; it
-    recovers after `patience` evaluations with both scores back above.
+    this replica's; individual = this replica's baseline / its current value
+    (divided by the same ratio of the least slowed replica when there are
+    others: a slowdown every replica shares is no replica's), both over the
+    median of the last `window` steps. A replica whose individual score
+    stays below `threshold` (or relative score below `relative_threshold`)
+    for `patience` evaluations becomes a straggler; it recovers after
+    `patience` evaluations with both scores back above.
+
+    A low score makes a straggler only if it also costs the replica more
+    compute per step (against the best replica, or its own baseline) than
+    `min_excess_seconds` and than the step-time noise measured during the
+    run, in its latest step as well as over the window: on a busy machine,
+    steps of a few milliseconds lose whole scheduler time slices at random
+    and would otherwise be flagged (see `kh.straggler` for the noise
+    floor). Recovery needs only the scores back above the thresholds.
 
     On devices that differ by design (a GPU and a CPU, speeds 1 : 4), the
     slower device's relative score is its speed ratio (0.25) from the first
@@ -69,7 +79,12 @@ class StragglerDetector(keras.callbacks.Callback):
         action: One of "warn", "rebalance", "checkpoint", "stop", or a list
             of them. Defaults to `"warn"`.
         on_straggler: Called with every `StragglerEvent`. Defaults to None.
-        window: Steps the median covers. Defaults to `9`.
+        window: Readings the median covers, one per train batch callback
+            (with `steps_per_execution=k`, one per call of up to k steps).
+            Defaults to `9`.
+        min_excess_seconds: Compute seconds per step (per execution with
+            `steps_per_execution > 1`) a replica must lose before a low
+            score counts, >= 0. Defaults to `0.003`.
         rebalancer: The `ShardRebalancer` for `action="rebalance"`.
         checkpoint: An object with `save_now()` (e.g. a checkpoint callback)
             for `"checkpoint"` / `"stop"`. Defaults to None.
@@ -81,9 +96,9 @@ class StragglerDetector(keras.callbacks.Callback):
 
     Raises:
         ValueError: For `threshold` or `relative_threshold` outside
-            (0, 1], `patience` or `window`
-            below 1, an unknown action, `"rebalance"` without a rebalancer,
-            or a non-positive `hang_timeout`.
+            (0, 1], `patience` or `window` below 1, a negative
+            `min_excess_seconds`, an unknown action, `"rebalance"` without a
+            rebalancer, or a non-positive `hang_timeout`.
         TypeError: If `on_straggler` is not callable.
 
     Example:
@@ -108,6 +123,7 @@ class StragglerDetector(keras.callbacks.Callback):
         hang_timeout=None,
         abort_on_hang=False,
         relative_threshold=None,
+        min_excess_seconds=straggler.MIN_EXCESS_SECONDS,
     ):
         super().__init__()
         for name, value in (
@@ -143,6 +159,15 @@ class StragglerDetector(keras.callbacks.Callback):
                 "Invalid value for argument `on_straggler`. Received: "
                 f"on_straggler={on_straggler!r}. Expected a callable or None."
             )
+        if isinstance(min_excess_seconds, bool) or not (
+            isinstance(min_excess_seconds, (int, float))
+            and min_excess_seconds >= 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `min_excess_seconds`. Received: "
+                f"min_excess_seconds={min_excess_seconds!r}. Expected "
+                "seconds >= 0."
+            )
         if hang_timeout is not None and not (
             isinstance(hang_timeout, (int, float)) and hang_timeout > 0
         ):
@@ -157,6 +182,7 @@ class StragglerDetector(keras.callbacks.Callback):
             else float(relative_threshold)
         )
         self.patience = patience
+        self.min_excess_seconds = float(min_excess_seconds)
         self.actions = actions
         self.on_straggler = on_straggler
         self.window = window
@@ -208,13 +234,15 @@ class StragglerDetector(keras.callbacks.Callback):
             self._watchdog.step_finished(self._steps)
         if self._scorer is None:
             self._scorer = straggler.Scorer(len(rows), self.window)
-            self._devices = devices
+        # Also after `set_state`, which restores the scorer only.
+        self._devices = devices
         changes = self._scorer.step(
             rows,
             seconds,
             threshold=self.threshold,
             patience=self.patience,
             relative_threshold=self.relative_threshold,
+            min_excess_seconds=self.min_excess_seconds,
         )
         for replica, kind, relative, individual in changes:
             self._emit(
@@ -374,10 +402,11 @@ class _Watchdog:
 
     def step_started(self, step):
         with self._lock:
+            previous = self._step
             self._step, self._started = step, time.monotonic()
             if self._first is None:
                 self._first = step
-        _publish(self._task, step)
+        _publish(self._task, step, previous)
 
     def step_finished(self, step):
         with self._lock:
@@ -425,15 +454,16 @@ def _progress_key(task, step):
     return f"keras_hetero/progress/{task}/{step}"
 
 
-def _publish(task, step):
-    """Marks that worker `task` started step `step` (drops the old mark)."""
+def _publish(task, step, previous):
+    """Marks that worker `task` started step `step` and drops its mark of
+    step `previous` (`step - k` with `steps_per_execution=k`; 0: none)."""
     from tensorflow.python.eager import context
 
     try:
         context.context().set_config_key_value(_progress_key(task, step), "1")
-        if step > 1:
+        if previous:
             context.context().delete_config_key_value(
-                _progress_key(task, step - 1)
+                _progress_key(task, previous)
             )
     except Exception:  # no coordination service (single worker)
         pass

@@ -1,9 +1,49 @@
 """`kh.data.shard`: global batches split into per-replica slices by shares."""
 
+import copy
+import threading
+
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero._checks import check_int
 from keras_hetero.data import shares as shares_lib
+
+# The graph-level seed of the function that shuffles one pass (see
+# `_DatasetSource.pass_batches`); any constant but 0 (TensorFlow reads a
+# (0, 0) seed pair as "no seed").
+_GRAPH_SEED = 20240517
+
+# tf.data methods a HeteroDataset has no use for, and what to do instead.
+_INSTEAD = {
+    "map": "apply `.map` to the examples before `kh.data.shard`, or pass "
+    "`map_fn=` to it (it runs after the split, on each replica's rows)",
+    "batch": "`kh.data.shard` batches: give it UNBATCHED examples and the "
+    "global batch size (`global_batch_size=`)",
+    "padded_batch": "pad the examples before `kh.data.shard` (it batches)",
+    "unbatch": "give `kh.data.shard` the unbatched examples",
+    "rebatch": "pass another `global_batch_size=` to `kh.data.shard`",
+    "shuffle": "pass `shuffle=` (and `seed=`) to `kh.data.shard`: it "
+    "shuffles the examples before they are batched, in an order that is "
+    "the same on every worker",
+    "repeat": "`fit` runs the epochs; for a custom loop use "
+    "`as_distributed_dataset(repeat=True)`",
+    "shard": "`kh.data.shard` already splits every global batch between "
+    "replicas and workers",
+    "filter": "apply `.filter` to the examples before `kh.data.shard`",
+    "take": "apply `.take` to the examples before `kh.data.shard`, or pass "
+    "`steps_per_epoch=` to `fit`",
+    "skip": "apply `.skip` to the examples before `kh.data.shard` (to resume "
+    "mid-epoch, use `resume_after`)",
+    "flat_map": "apply `.flat_map` to the examples before `kh.data.shard`",
+    "interleave": "apply `.interleave` to the examples before `kh.data.shard`",
+    "apply": "apply the transformation to the examples before `kh.data.shard`",
+    "enumerate": "enumerate the examples before `kh.data.shard`",
+    "cardinality": "use `.num_batches` (global batches per epoch) or "
+    "`.num_examples`",
+}
 
 
 class HeteroDataset:
@@ -14,9 +54,16 @@ class HeteroDataset:
     `[start_i, end_i)` of it, in global replica order (worker 0's replicas
     first). `shares` may be assigned at any time, also during `fit`.
 
-    Pass it to `HeteroModel.fit` / `evaluate` / `predict` like any dataset.
-    `as_distributed_dataset()` gives the underlying
-    `tf.distribute.DistributedDataset` for custom loops.
+    Pass it to `HeteroModel.fit` / `evaluate` / `predict` like any dataset
+    (`fit(..., class_weight=...)` included). `as_distributed_dataset()`
+    gives the underlying `tf.distribute.DistributedDataset` for custom
+    loops. `HeteroModel.fit` also makes one from numpy arrays under several
+    replicas.
+
+    Of the `tf.data.Dataset` methods it has `with_options`, `prefetch` and
+    `cache`; the others (`map`, `batch`, `shuffle`, `repeat`, ...) raise an
+    `AttributeError` that says what to do instead, since the examples are
+    already batched and split.
 
     Attributes:
         global_batch_size: Rows per global batch.
@@ -25,9 +72,21 @@ class HeteroDataset:
     """
 
     def __init__(
-        self, examples, global_batch_size, strategy, shares, map_fn=None
+        self,
+        examples,
+        global_batch_size,
+        strategy,
+        shares,
+        map_fn=None,
+        shuffle=None,
+        seed=None,
+        first_pass=0,
     ):
-        self._examples = examples
+        self._source = (
+            examples
+            if hasattr(examples, "pass_batches")
+            else _DatasetSource(examples)
+        )
         self._map_fn = map_fn
         self.global_batch_size = global_batch_size
         self.strategy = strategy
@@ -35,7 +94,28 @@ class HeteroDataset:
         self._schedule = shares_lib.ShareSchedule(
             shares_lib.validate_shares(shares, self.num_replicas)
         )
+        self._order = _PassOrder(shuffle, seed, first_pass)
+        self._options = None
+        self._prefetch = None
         self._distributed = {}
+
+    @property
+    def shuffling(self):
+        """How each pass is shuffled: None (not), a buffer size, True (the
+        whole pass) or "batch" (within each global batch; array input)."""
+        return self._order.shuffle
+
+    @property
+    def seed(self):
+        """The shuffle seed: given to `kh.data.shard`, else chosen when
+        training starts (the same on every worker), None before that."""
+        return self._order.seed
+
+    @property
+    def next_pass(self):
+        """The number of the next pass over the examples; its order is a
+        function of `(seed, next_pass)`."""
+        return self._order.next_pass
 
     @property
     def shares(self):
@@ -83,19 +163,25 @@ class HeteroDataset:
         """Passes over the data the input pipeline has started."""
         return self._schedule.passes_started
 
-    def resume_after(self, examples):
+    def resume_after(self, examples, pass_number=None, seed=None):
         """Starts the next pass after its first `examples` examples.
 
         They were trained before a restart: the interrupted epoch then sees
         each of its examples exactly once. Global batches are cut from the
-        first example not skipped. Used by `kh.callbacks.ElasticCheckpoint`;
-        call before `fit`.
+        first example not skipped (after shuffling: the skipped examples are
+        the first ones of the pass's order). Used by
+        `kh.callbacks.ElasticCheckpoint`; call before `fit`.
 
         Args:
             examples: How many examples of the pass to skip, >= 0.
+            pass_number: The number of the interrupted pass, so it is
+                shuffled as it was. Defaults to `None` (keep counting).
+            seed: The shuffle seed of the interrupted run. Defaults to
+                `None` (keep this dataset's).
 
         Raises:
-            ValueError: If `examples` is negative or not an integer.
+            ValueError: If `examples` or `pass_number` is negative or not an
+                integer.
         """
         if (
             isinstance(examples, bool)
@@ -106,7 +192,10 @@ class HeteroDataset:
                 "Invalid value for argument `examples`. Received: "
                 f"examples={examples!r}. Expected an integer >= 0."
             )
+        if pass_number is not None:
+            check_int("pass_number", _plain_int(pass_number), 0)
         self._schedule.skip_examples(int(examples))
+        self._order.restart(pass_number, seed)
 
     def shares_for_batch(self, batch):
         """The shares that split global batch `batch = (pass, index)`."""
@@ -122,8 +211,7 @@ class HeteroDataset:
     @property
     def num_examples(self):
         """Examples per epoch, or None if unknown to tf.data."""
-        examples = int(self._examples.cardinality())
-        return None if examples < 0 else examples
+        return self._source.num_examples
 
     @property
     def num_batches(self):
@@ -133,48 +221,235 @@ class HeteroDataset:
             return None
         return -(-examples // self.global_batch_size)
 
-    def as_distributed_dataset(self, repeat=False):
+    def as_distributed_dataset(self, repeat=False, class_weight=None):
         """The `tf.distribute.DistributedDataset` that `fit` iterates.
+
+        A shuffled dataset without a seed gets one here (on the first
+        replica's worker, from numpy's global random state, so
+        `keras.utils.set_random_seed` makes it reproducible), sent to every
+        worker with one collective under multi-worker strategies: call it on
+        every worker.
 
         Args:
             repeat: Repeat the epochs forever (each epoch keeps its own last,
                 partial global batch), for loops that count steps per epoch
                 instead of re-iterating. Defaults to `False`.
+            class_weight: `{class: weight}`, applied as Keras' `fit` does
+                (`class_weight=`) to each replica's rows, after `map_fn`.
+                Defaults to `None`.
 
         Returns:
             A `tf.distribute.DistributedDataset` of per-replica slices.
         """
-        if repeat not in self._distributed:
+        self._order.choose_seed(self.strategy)
+        key = (
+            repeat,
+            None
+            if class_weight is None
+            else tuple(sorted(class_weight.items())),
+        )
+        if key not in self._distributed:
             distributed = self.strategy.distribute_datasets_from_function(
-                lambda context: self._pipeline(context, repeat)
+                lambda context: self._pipeline(context, repeat, class_weight)
             )
             if self.num_batches is not None and not repeat:
-                # A worker's pipeline yields one element per LOCAL replica
-                # per global batch, and TF reports that count as the
-                # dataset's cardinality; Keras reads it as steps per epoch.
-                distributed._cardinality = self.num_batches
-            self._distributed[repeat] = distributed
-        return self._distributed[repeat]
+                if isinstance(distributed, tf.data.Dataset):
+                    # One replica: the pipeline itself (length unknown).
+                    distributed = _compat.with_known_length(
+                        distributed, self.num_batches
+                    )
+                else:
+                    # A worker's pipeline yields one element per LOCAL
+                    # replica per global batch, and TF reports that count
+                    # as the dataset's cardinality; Keras reads it as steps
+                    # per epoch.
+                    distributed._cardinality = self.num_batches
+            self._distributed[key] = distributed
+        return self._distributed[key]
 
-    def _pipeline(self, input_context, repeat):
+    def parameter_server_dataset(self):
+        """The global batches as ParameterServerStrategy takes them.
+
+        Under ParameterServerStrategy each worker steps on its own (there
+        are no replicas in sync to split a batch between), so a step is one
+        whole global batch. Each worker iterates its own copy of the global
+        batches, pass after pass, in the order one device would see them
+        (shuffled by `(seed, pass)` as under any other strategy), as it
+        would a batched `tf.data.Dataset`: over a run each worker trains on
+        every batch, and an "epoch" of `num_batches` steps is not exactly
+        once across workers (docs/strategies.md). `shares` do not apply;
+        `map_fn` runs on the worker, on each batch. `HeteroModel.fit` /
+        `evaluate` call this for you.
+
+        Returns:
+            An endless, batched `tf.data.Dataset`.
+
+        Raises:
+            ValueError: If the examples are not a `tf.data.Dataset` (array
+                input is converted by `fit` first).
+        """
+        examples = getattr(self._source, "examples", None)
+        if examples is None:
+            raise ValueError(
+                "Under ParameterServerStrategy a `kh.data.HeteroDataset` "
+                "needs `tf.data.Dataset` examples (workers run the input "
+                "pipeline without Python)."
+            )
+        self._order.choose_seed(self.strategy)
+        shuffle, seed = self.shuffling, self._order.seed
+        buffer = self.num_examples if shuffle is True else shuffle
+
+        def one_pass(number):
+            passed = examples
+            if shuffle is not None:
+                # As in `_DatasetSource.pass_batches`: the order is then a
+                # function of the pass seed alone.
+                tf.random.set_seed(_GRAPH_SEED)
+                passed = passed.shuffle(
+                    buffer,
+                    seed=_tf_pass_seed(seed, number),
+                    reshuffle_each_iteration=False,
+                )
+            return passed.batch(self.global_batch_size)
+
+        dataset = tf.data.Dataset.range(self._order.next_pass, 2**62)
+        dataset = dataset.flat_map(one_pass)
+        if self._map_fn is not None:
+            dataset = dataset.map(self._map_fn)
+        if self._options is not None:
+            dataset = dataset.with_options(self._options)
+        return dataset
+
+    # --- tf.data methods --------------------------------------------------
+
+    def with_options(self, options, name=None):
+        """This dataset with `tf.data.Options` applied to its pipeline.
+
+        A HeteroDataset never auto-shards: every worker reads all examples
+        and keeps its replicas' rows of each global batch, so
+        `experimental_distribute.auto_shard_policy = OFF` (as in the
+        multi-worker tutorial) is already how it reads, and is accepted.
+        Other options (threading, optimization, ...) apply to the pipeline.
+
+        Args:
+            options: A `tf.data.Options`.
+            name: Unused; accepted for `tf.data.Dataset.with_options`
+                compatibility. Defaults to `None`.
+
+        Returns:
+            A HeteroDataset over the same examples that shares this one's
+            shares and positions (a `ShardRebalancer` of either acts on
+            both).
+
+        Raises:
+            TypeError: If `options` is not a `tf.data.Options`.
+            ValueError: For an auto-shard policy other than OFF or AUTO, or
+                `deterministic=False` (both would break exactly-once).
+        """
+        if not isinstance(options, tf.data.Options):
+            raise TypeError(
+                "Invalid value for argument `options`. Received: "
+                f"options={options!r}. Expected a `tf.data.Options`."
+            )
+        policy = options.experimental_distribute.auto_shard_policy
+        allowed = (
+            tf.data.experimental.AutoShardPolicy.OFF,
+            tf.data.experimental.AutoShardPolicy.AUTO,
+        )
+        if policy not in allowed:
+            raise ValueError(
+                "Invalid value for argument `options`: "
+                f"experimental_distribute.auto_shard_policy={policy!r}. A "
+                "HeteroDataset splits each global batch between workers by "
+                "shares, so every worker reads all examples; use "
+                "AutoShardPolicy.OFF (or leave it unset)."
+            )
+        if options.deterministic is False:
+            raise ValueError(
+                "Invalid value for argument `options`: deterministic=False. "
+                "A HeteroDataset needs the same order of examples on every "
+                "worker (each keeps its rows of every global batch); leave "
+                "`deterministic` unset or True."
+            )
+        merged = (
+            options if self._options is None else self._options.merge(options)
+        )
+        return self._derive(_options=merged)
+
+    def prefetch(self, buffer_size, name=None):
+        """This dataset with `buffer_size` global batches prefetched.
+
+        They are prefetched BEFORE the split into replicas' rows, so share
+        changes still apply to every batch not yet split.
+
+        Args:
+            buffer_size: Global batches to prefetch, or
+                `tf.data.AUTOTUNE`.
+            name: Unused; accepted for `tf.data.Dataset.prefetch`
+                compatibility. Defaults to `None`.
+
+        Returns:
+            A HeteroDataset that shares this one's shares and positions.
+        """
+        return self._derive(_prefetch=buffer_size)
+
+    def cache(self, filename="", name=None):
+        """This dataset with its examples cached (`tf.data.Dataset.cache`).
+
+        The examples are cached before they are shuffled and split, so each
+        pass still has its own order.
+
+        Args:
+            filename: As for `tf.data.Dataset.cache`. Defaults to `""`
+                (memory).
+            name: Unused. Defaults to `None`.
+
+        Returns:
+            A HeteroDataset that shares this one's shares and positions.
+        """
+        return self._derive(_source=self._source.cache(filename))
+
+    def __getattr__(self, name):
+        if name in _INSTEAD:
+            raise AttributeError(
+                f"`kh.data.HeteroDataset` has no `.{name}()`: it holds "
+                "global batches already split between replicas. Instead, "
+                f"{_INSTEAD[name]}."
+            )
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}'"
+        )
+
+    def _derive(self, **changes):
+        # A view: the same schedule and pass order, its own pipelines.
+        derived = copy.copy(self)
+        derived.__dict__.update(changes)
+        derived._distributed = {}
+        return derived
+
+    # --- the input pipeline -------------------------------------------------
+
+    def _start_pass(self):
+        """`(skip, pass number, seed)` of the pass that starts now."""
+        skip = int(self._schedule.take_example_skip())
+        number, seed = self._order.start()
+        return skip, number, seed
+
+    def _pipeline(self, input_context, repeat, class_weight=None):
         local_replicas = self.num_replicas // input_context.num_input_pipelines
         first_replica = input_context.input_pipeline_id * local_replicas
 
-        def examples_of_pass(_):
-            # Evaluated when a pass starts: the examples trained before a
-            # restart (see `resume_after`) are skipped, before any split or
-            # per-example map.
-            skip = tf.numpy_function(
-                self._schedule.take_example_skip, [], tf.int64
+        def batches_of_pass(_):
+            # Evaluated when a pass starts: its order (shuffle) and the
+            # examples trained before a restart (see `resume_after`), which
+            # are skipped before any split or per-example map.
+            return self._source.pass_batches(
+                self._start_pass, self.global_batch_size, self.shuffling
             )
-            skip.set_shape([])
-            return self._examples.skip(skip)
 
-        batches = (
-            tf.data.Dataset.range(1)
-            .flat_map(examples_of_pass)
-            .batch(self.global_batch_size)
-        )
+        batches = tf.data.Dataset.range(1).flat_map(batches_of_pass)
+        if self._prefetch is not None:
+            batches = batches.prefetch(self._prefetch)
         if repeat:
             batches = batches.repeat()
 
@@ -218,11 +493,115 @@ class HeteroDataset:
                 num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True,
             )
+        if class_weight is not None:
+            # Per example, from the labels the model gets: the same on each
+            # replica's rows as on the whole global batch.
+            dataset = dataset.map(_compat.class_weight_map_fn(class_weight))
+        if self._options is not None:
+            dataset = dataset.with_options(self._options)
         # Bound what runs ahead of training after the split, so a share
         # change `ShardRebalancer.lag` batches ahead is never too late.
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
         return dataset.prefetch(1).with_options(options)
+
+
+class _PassOrder:
+    """Numbers the passes over the examples and holds the shuffle seed.
+
+    Pass `p`'s order is a function of `(seed, p)` only: every worker runs
+    the same passes in the same order, so all of them shuffle alike, and a
+    restart that resumes pass `p` with the same seed repeats its order.
+    Shared by the views `with_options` / `prefetch` / `cache` return.
+    """
+
+    def __init__(self, shuffle, seed, first_pass=0):
+        self._lock = threading.Lock()
+        self.shuffle = shuffle
+        self.seed = seed
+        self._next = int(first_pass)
+
+    @property
+    def next_pass(self):
+        with self._lock:
+            return self._next
+
+    def choose_seed(self, strategy):
+        """Picks a seed if the passes are shuffled and none was given."""
+        if self.shuffle is None or self.seed is not None:
+            return
+        drawn = int(np.random.randint(0, 2**31 - 1))
+        seed = _distribute.broadcast_from_first_replica(strategy, drawn)
+        with self._lock:
+            if self.seed is None:
+                self.seed = seed
+
+    def restart(self, pass_number=None, seed=None):
+        with self._lock:
+            if pass_number is not None:
+                self._next = int(pass_number)
+            if seed is not None:
+                self.seed = int(seed)
+
+    def start(self):
+        """`(number, seed)` of the pass that starts now."""
+        with self._lock:
+            number, self._next = self._next, self._next + 1
+            return number, self.seed
+
+
+# `pass_seed(seed, p) = (seed * A + p * B + 1) mod M`: simple enough to compute
+# in TensorFlow ops too (`_tf_pass_seed`), for pipelines that run without
+# Python (parameter-server workers), so every strategy sees the same orders.
+_SEED_MODULUS, _SEED_FACTOR, _PASS_FACTOR = 2147483647, 48271, 69621
+
+
+def pass_seed(seed, pass_number):
+    """A 31-bit integer that is a function of `(seed, pass_number)`."""
+    mixed = (int(seed) % _SEED_MODULUS) * _SEED_FACTOR
+    return (mixed + int(pass_number) * _PASS_FACTOR + 1) % _SEED_MODULUS
+
+
+def _tf_pass_seed(seed, pass_number):
+    """`pass_seed` of a tensor `pass_number`, as an int64 tensor."""
+    mixed = tf.constant((int(seed) % _SEED_MODULUS) * _SEED_FACTOR, tf.int64)
+    mixed += tf.cast(pass_number, tf.int64) * _PASS_FACTOR + 1
+    return mixed % _SEED_MODULUS
+
+
+class _DatasetSource:
+    """Examples from an unbatched `tf.data.Dataset`."""
+
+    def __init__(self, examples):
+        self.examples = examples
+        count = int(examples.cardinality())
+        self.num_examples = None if count < 0 else count
+
+    def cache(self, filename):
+        return _DatasetSource(self.examples.cache(filename))
+
+    def pass_batches(self, start_pass, global_batch_size, shuffle):
+        """One pass's global batches (traced once, run at each pass)."""
+
+        def start():
+            skip, number, seed = start_pass()
+            order_seed = 0 if shuffle is None else pass_seed(seed, number)
+            return np.array([skip, order_seed], np.int64)
+
+        info = tf.numpy_function(start, [], tf.int64)
+        info.set_shape([2])
+        examples = self.examples
+        if shuffle is not None:
+            # tf.data's shuffle seeds itself from the graph-level seed too,
+            # which is the process's global seed (`tf.random.set_seed`) and
+            # may differ between workers. Fixing this function's own
+            # graph-level seed makes the order a function of the pass seed.
+            tf.random.set_seed(_GRAPH_SEED)
+            buffer = self.num_examples if shuffle is True else shuffle
+            examples = examples.shuffle(
+                buffer, seed=info[1], reshuffle_each_iteration=False
+            )
+        return examples.skip(info[0]).batch(global_batch_size)
 
 
 def shard(
@@ -232,6 +611,8 @@ def shard(
     strategy=None,
     shares=None,
     map_fn=None,
+    shuffle=None,
+    seed=None,
 ):
     """Splits global batches of `examples` across replicas by `shares`.
 
@@ -244,8 +625,14 @@ def shard(
     single-device training on `examples.batch(global_batch_size)`.
 
     In multi-worker jobs every worker reads the whole example stream and keeps
-    its own rows, so `examples` must produce the same order on every worker
-    (seed any shuffle).
+    its own rows, so `examples` must produce the same order on every worker:
+    shuffle with `shuffle=` here (or seed your own shuffle).
+
+    With `shuffle`, each pass over the examples (an epoch) has its own
+    order, a function of `(seed, pass)` only: the same on every worker, and
+    the same after a restart that resumes the pass (`ElasticCheckpoint`
+    saves the seed and pass). The examples are shuffled before they are
+    batched, so every example is still seen once per pass.
 
     Args:
         examples: An UNBATCHED `tf.data.Dataset` of `(x, y)` or
@@ -261,6 +648,14 @@ def shard(
             `Dataset.map` function: `map_fn(x, y)`), in parallel. Put
             expensive decoding here: in multi-worker jobs each worker then
             runs it only on its own rows. Defaults to `None`.
+        shuffle: `None` (or `False`): keep the order. An int: shuffle with
+            a buffer of that many examples, as `tf.data.Dataset.shuffle`
+            does. `True`: shuffle the whole pass (a buffer of all examples;
+            their number must be known). Defaults to `None`.
+        seed: The shuffle seed (an int >= 0). Defaults to `None`: one is
+            drawn when training starts, from numpy's global random state
+            (so `keras.utils.set_random_seed` fixes it) on the first
+            replica's worker, and sent to the others.
 
     Returns:
         A `kh.data.HeteroDataset`.
@@ -268,8 +663,10 @@ def shard(
     Raises:
         TypeError: If `examples` is not a `tf.data.Dataset`.
         ValueError: If `global_batch_size` is not an integer of at least the
-            number of replicas, or `shares` is not one finite, non-negative
-            number per replica with a positive sum.
+            number of replicas, `shares` is not one finite, non-negative
+            number per replica with a positive sum, `shuffle` is not None,
+            a bool or a positive int (or `True` with an unknown number of
+            examples), or `seed` is not None or an int >= 0.
 
     Example:
 
@@ -305,6 +702,56 @@ def shard(
             f"Invalid value for argument `map_fn`. Received: map_fn={map_fn!r}."
             " Expected a function of one replica's slice, or None."
         )
+    shuffle = check_shuffle(shuffle, examples)
+    seed = check_seed(seed)
     return HeteroDataset(
-        examples, int(global_batch_size), strategy, shares, map_fn=map_fn
+        examples,
+        int(global_batch_size),
+        strategy,
+        shares,
+        map_fn=map_fn,
+        shuffle=shuffle,
+        seed=seed,
     )
+
+
+def check_shuffle(shuffle, examples):
+    """`shuffle` for `shard` as None, True or a buffer size.
+
+    Raises:
+        ValueError: For another value, or `True` with examples of unknown
+            number.
+    """
+    if shuffle is None or shuffle is False:
+        return None
+    if shuffle is True:
+        if int(examples.cardinality()) < 0:
+            raise ValueError(
+                "Invalid value for argument `shuffle`. Received: shuffle=True "
+                "(the whole pass) for examples of unknown or infinite number. "
+                "Pass a buffer size (`shuffle=10_000`), or "
+                "`examples.apply(tf.data.experimental.assert_cardinality(n))`."
+            )
+        return True
+    return check_int(
+        "shuffle",
+        _plain_int(shuffle),
+        expected="None, True or a buffer size (an integer >= 1)",
+    )
+
+
+def check_seed(seed):
+    """`seed` as None or an int >= 0.
+
+    Raises:
+        ValueError: For another value.
+    """
+    if seed is None:
+        return None
+    return check_int(
+        "seed", _plain_int(seed), 0, expected="None or an integer >= 0"
+    )
+
+
+def _plain_int(value):
+    return int(value) if isinstance(value, np.integer) else value
