@@ -361,9 +361,15 @@ def build_optimizer(model):
             built = getattr(optimizer, "_built", False) or not hasattr(
                 optimizer, "build"
             )
-        if not built:
+        if not built and tf.distribute.in_cross_replica_context():
             with model.distribute_strategy.scope():
                 optimizer.build(model.trainable_variables)
+        elif not built:
+            # Inside `strategy.run` (a lazily built model's first XLA trace):
+            # already in the strategy's scope, which cannot be entered again
+            # from a replica context ("Method requires being in
+            # cross-replica context", e.g. under OneDeviceStrategy).
+            optimizer.build(model.trainable_variables)
     return optimizer
 
 
