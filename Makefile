@@ -7,7 +7,27 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test test-quick test-keras3 test-legacy conformance lint bench docs clean
+# Tests run on two pytest-xdist workers (the machine has 2 cores; many
+# tests spend their time in subprocesses and worker processes). Whole files
+# go to one worker (--dist loadfile): a module's shared fixtures (a Ray
+# cluster, the examples' runs) start once, and no two tests of a file run
+# at once. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST := -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=10
+
+# The oldest tested versions (docs/versions.md): Colab's TensorFlow and
+# Keras, installed first as a user has them; `pip install .` must keep them.
+OLDEST_PYTHON ?= $(shell command -v python3.10 || echo $(PYTHON))
+OLDEST := tensorflow==2.19.1 keras==3.10.0 tf-keras==2.19.0
+OLD_VENV := .venv-oldest
+OLD_BIN := $(OLD_VENV)/bin
+OLD_STAMP := $(OLD_VENV)/.installed
+# One real multi-worker job: 2 processes, MultiWorkerMirroredStrategy.
+MULTI_WORKER_TEST := tests/test_multi_worker.py::test_fit_evaluate_predict_match_single_device[2w-75_25]
+
+.PHONY: install install-oldest demo test test-quick test-keras3 test-legacy \
+	test-quick-keras3 test-quick-legacy test-oldest test-oldest-keras3 \
+	test-oldest-legacy conformance lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +36,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(OLD_STAMP): pyproject.toml
+	$(OLDEST_PYTHON) -m venv $(OLD_VENV)
+	$(OLD_BIN)/pip install --quiet --upgrade pip
+	$(OLD_BIN)/pip install --quiet $(OLDEST)
+	$(OLD_BIN)/pip install --quiet .
+	$(OLD_BIN)/pip check
+	$(OLD_BIN)/python .ci/check_versions.py $(OLDEST)
+	$(OLD_BIN)/pip install --quiet -e ".[test]"
+	$(OLD_BIN)/pip check
+	$(OLD_BIN)/python .ci/check_versions.py $(OLDEST)
+	touch $(OLD_STAMP)
+
+install-oldest: $(OLD_STAMP)
 
 ## The main demo: HeteroModel on simulated unequal devices (it writes
 ## TensorBoard logs: the extra gives the `tensorboard` command it prints).
@@ -27,14 +61,31 @@ demo: $(STAMP)
 test: test-keras3 test-legacy
 
 test-keras3: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python $(PYTEST) tests
 
 test-legacy: $(STAMP)
-	TF_USE_LEGACY_KERAS=1 $(BIN)/python -m pytest tests
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(PYTEST) tests
 
-## Without the slow multi-process tests, Keras 3 only.
-test-quick: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow"
+## Without the slow multi-process tests, Keras 3 then tf-keras.
+test-quick: test-quick-keras3 test-quick-legacy
+
+test-quick-keras3: $(STAMP)
+	$(BIN)/python $(PYTEST) tests -m "not slow"
+
+test-quick-legacy: $(STAMP)
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(PYTEST) tests -m "not slow"
+
+## The oldest tested versions in .venv-oldest (CI's second row): the quick
+## suite and one real multi-worker job, Keras 3 then tf-keras.
+test-oldest: test-oldest-keras3 test-oldest-legacy
+
+test-oldest-keras3: $(OLD_STAMP)
+	$(OLD_BIN)/python $(PYTEST) tests -m "not slow"
+	$(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)"
+
+test-oldest-legacy: $(OLD_STAMP)
+	TF_USE_LEGACY_KERAS=1 $(OLD_BIN)/python $(PYTEST) tests -m "not slow"
+	TF_USE_LEGACY_KERAS=1 $(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)"
 
 ## Keras' own tests, stock vs HeteroModel (docs/conformance.md). Downloads
 ## the installed Keras' sdist; fails on a difference in neither
@@ -44,8 +95,8 @@ conformance: $(STAMP)
 	TF_USE_LEGACY_KERAS=1 $(BIN)/python tests/conformance/run.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check keras_hetero tests benchmarks examples docs/griffe_examples.py
-	$(BIN)/ruff format --check keras_hetero tests benchmarks examples docs/griffe_examples.py
+	$(BIN)/ruff check keras_hetero tests benchmarks examples docs/griffe_examples.py .ci
+	$(BIN)/ruff format --check keras_hetero tests benchmarks examples docs/griffe_examples.py .ci
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
@@ -63,4 +114,4 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .pytest_cache build site *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) .pytest_cache build site *.egg-info

@@ -44,6 +44,32 @@ FLAVOUR = "tf-keras" if IS_LEGACY else "keras3"
 KERAS_VERSION = keras.__version__
 
 
+def release(version):
+    """The `(major, minor)` release of a version string like `"3.10.0"`."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+TF_RELEASE = release(tf.__version__)
+KERAS_RELEASE = release(KERAS_VERSION)
+
+# Keras 3 internals that changed within the tested range (docs/versions.md),
+# keyed by the release that changed them. tests/test_compat_versions.py
+# checks each key against the installed Keras. tf-keras 2.19-2.21 and
+# TF 2.19-2.21 need none.
+
+# Keras 3.11 (keras/src/trainers/epoch_iterator.py, `_enumerate_iterator`):
+# iterating an epoch iterator gives `(begin_step, end_step, iterator)`;
+# Keras 3.10 gives `(step, iterator)`.
+EPOCH_ITERATOR_YIELDS_STEP_RANGE = not IS_LEGACY and KERAS_RELEASE >= (3, 11)
+
+# Keras 3.12 (keras-team/keras#21548): optional inputs fed None reach the
+# step as empty `tf.experimental.Optional`s, which the train function turns
+# back into None (`TensorFlowTrainer._autoconvert_optionals`). Keras 3.10
+# and 3.11 have neither.
+CONVERTS_OPTIONAL_INPUTS = not IS_LEGACY and KERAS_RELEASE >= (3, 12)
+
+
 def register_serializable(name):
     """`register_keras_serializable` under the `keras_hetero` package."""
     return keras.saving.register_keras_serializable(
@@ -335,9 +361,15 @@ def build_optimizer(model):
             built = getattr(optimizer, "_built", False) or not hasattr(
                 optimizer, "build"
             )
-        if not built:
+        if not built and tf.distribute.in_cross_replica_context():
             with model.distribute_strategy.scope():
                 optimizer.build(model.trainable_variables)
+        elif not built:
+            # Inside `strategy.run` (a lazily built model's first XLA trace):
+            # already in the strategy's scope, which cannot be entered again
+            # from a replica context ("Method requires being in
+            # cross-replica context", e.g. under OneDeviceStrategy).
+            optimizer.build(model.trainable_variables)
     return optimizer
 
 
@@ -485,7 +517,7 @@ class Keras3TrainerOverrides:
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3.15 reduces the first distributed batch with
+        # Keras 3.10-3.15 reduce the first distributed batch with
         # `strategy.reduce("MEAN", batch, axis=None)` to build the model. That
         # fails for uneven per-replica shapes (AddN shape mismatch) and under
         # MultiWorkerMirroredStrategy ("Attempt to convert a value
@@ -500,7 +532,8 @@ class Keras3TrainerOverrides:
         if spec is not None:
             data_batch = tf.nest.map_structure(_unbatched_spec, spec)
         elif iterator is not None:
-            for _, _, it in iterator:
+            for entry in iterator:
+                it = entry[2] if EPOCH_ITERATOR_YIELDS_STEP_RANGE else entry[1]
                 data_batch = next(it)
                 break
             data_batch = tf.nest.map_structure(
@@ -511,7 +544,7 @@ class Keras3TrainerOverrides:
             self._symbolic_build(data_batch=data_batch)
 
     def _make_function(self, step_function):
-        # Keras 3.15 reduces step outputs with `reduce_per_replica(...,
+        # Keras 3.10-3.15 reduce step outputs with `reduce_per_replica(...,
         # "auto")`, which under MultiWorkerMirroredStrategy calls
         # `strategy.reduce("MEAN", v, axis=0)` on scalar logs and fails with
         # "Invalid reduction dimension 0" (tensorflow#72388). HeteroModel's
@@ -552,11 +585,9 @@ class Keras3TrainerOverrides:
             )
             if self._distribute_strategy is None:
                 looped_step = one_step_on_data
-        # Keras 3.11+: optional inputs fed None arrive as empty tf Optionals.
-        autoconvert = getattr(self, "_autoconvert_optionals", None)
-        if autoconvert is not None:
-            one_step_on_data = autoconvert(one_step_on_data)
-            looped_step = autoconvert(looped_step)
+        if CONVERTS_OPTIONAL_INPUTS:
+            one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+            looped_step = self._autoconvert_optionals(looped_step)
         steps_per_execution = int(self.steps_per_execution)
 
         @tf.autograph.experimental.do_not_convert
