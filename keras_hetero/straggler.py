@@ -35,7 +35,7 @@ gives its core away for a time slice, for one replica and not the other,
 several steps in a row; and the whole machine's pace drifts 2x within a
 run, so a replica's luckiest window (its baseline) is far from its usual
 pace. Without the floor and the common-mode division, two equal replicas
-were flagged 36-106 times per 1000-1200 steps.
+were flagged 42-128 times per 1200 steps.
 """
 
 import dataclasses
@@ -81,7 +81,9 @@ class StragglerEvent:
         worker: Index of the worker (task) running the replica.
         device: The replica's device.
         relative_score: Best replica's cost per row / this replica's.
-        individual_score: This replica's baseline cost / its current cost.
+        individual_score: This replica's baseline cost / its current cost,
+            divided by the highest such ratio of the replicas (when there
+            are others).
         kind: `"straggler"` or `"recovered"`.
     """
 
@@ -102,8 +104,8 @@ class ScoreState:
         readings: `[window, replicas]` recent costs per row, NaN = none.
         seen: How many readings have been added.
         baseline: Lowest median cost per replica so far (NaN = none yet).
-        below: Consecutive evaluations below the threshold, per replica.
-        above: Consecutive evaluations at or above it, per replica.
+        below: Consecutive low evaluations (see `evaluate`), per replica.
+        above: Consecutive evaluations that were not, per replica.
         flagged: Whether each replica is currently a straggler.
         rows: Rows of each replica in the latest reading (0 before any).
         noise: Exponential average (weight `NOISE_DECAY`) of the steps'
