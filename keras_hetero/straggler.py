@@ -18,16 +18,17 @@ Both are in (0, 1]; 1 is "as fast as it gets".
 
 A replica becomes a straggler only when its low score also costs time
 beyond the noise. Its excess is (its current cost - the cost it is compared
-with) * its rows in the latest step; its current cost is the lower of its
-median and its latest reading (slow over the window but not now is not
-slow now), the compared cost the best replica's median (relative score) or
-its own median times its individual score. The excess must exceed the
-noise floor, the largest of `min_excess_seconds`, `NOISE_MADS` median
-absolute deviations of the window's step times (all replicas pooled: the
-usual jitter) and `NOISE_MEANS` times `ScoreState.noise` (how often and by
-how much steps get delayed here, over the last ~1 / `NOISE_DECAY` steps).
-The floor guards the alarm only: a straggler recovers when its scores are
-back above the thresholds, so a real one does not flap when noise rises.
+with) * its rows (of its latest reading with rows). Its current cost is
+the lower of its median and its latest reading (slow over the window but
+not now is not slow now); the compared cost is the best replica's median
+(relative score) or its own median times its individual score. The excess
+must exceed the noise floor, the largest of `min_excess_seconds`,
+`NOISE_MADS` median absolute deviations of the window's step times (all
+replicas pooled: the usual jitter) and `NOISE_MEANS` times
+`ScoreState.noise` (how often and by how much steps get delayed here, over
+the last ~1 / `NOISE_DECAY` steps). The floor guards the alarm only: a
+straggler recovers when its scores are back above the thresholds, so a
+real one does not flap when noise rises.
 
 Why: on a loaded 2-core machine (two equal logical CPUs, measured by
 benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
@@ -107,7 +108,9 @@ class ScoreState:
         below: Consecutive low evaluations (see `evaluate`), per replica.
         above: Consecutive evaluations that were not, per replica.
         flagged: Whether each replica is currently a straggler.
-        rows: Rows of each replica in the latest reading (0 before any).
+        rows: Rows of each replica in its latest reading with rows (0
+            before any): a worker of a ParameterServerStrategy job that
+            finished no step since the last batch end reads 0 rows.
         noise: Exponential average (weight `NOISE_DECAY`) of the steps'
             mean deviation from their replica's median, in seconds.
     """
@@ -160,11 +163,12 @@ class ScoreState:
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
     window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
+    rows = np.asarray(rows, np.float64)
     return dataclasses.replace(
         state,
         readings=window.readings,
         seen=state.seen + 1,
-        rows=np.asarray(rows, np.float64),
+        rows=np.where(rows > 0, rows, state.rows),
     )
 
 
@@ -367,11 +371,12 @@ class Scorer:
         if relative_threshold is None:
             relative_threshold = threshold
         nan = float("nan")
-        self.rows = [float(r) for r in rows]
+        rows = [float(r) for r in rows]
         reading = [
             float(s) / r if r > 0 else nan
-            for r, s in zip(self.rows, compute_seconds)
+            for r, s in zip(rows, compute_seconds)
         ]
+        self.rows = [r if r > 0 else old for r, old in zip(rows, self.rows)]
         self.readings.pop(0)
         self.readings.append(reading)
         self.seen += 1
