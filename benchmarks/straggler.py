@@ -27,7 +27,7 @@ Replicas are MirroredStrategy logical CPUs. Four measurements:
    process; median step time ratio, and the detector's own time per step
    (time spent inside its callbacks) as a share of the step.
 
-Run: `python benchmarks/straggler.py` (about 8 minutes on 2 cores).
+Run: `python benchmarks/straggler.py` (about 9 minutes on 2 cores).
 """
 
 import argparse
