@@ -18,16 +18,17 @@ Both are in (0, 1]; 1 is "as fast as it gets".
 
 A replica becomes a straggler only when its low score also costs time
 beyond the noise. Its excess is (its current cost - the cost it is compared
-with) * its rows in the latest step; its current cost is the lower of its
-median and its latest reading (slow over the window but not now is not
-slow now), the compared cost the best replica's median (relative score) or
-its own median times its individual score. The excess must exceed the
-noise floor, the largest of `min_excess_seconds`, `NOISE_MADS` median
-absolute deviations of the window's step times (all replicas pooled: the
-usual jitter) and `NOISE_MEANS` times `ScoreState.noise` (how often and by
-how much steps get delayed here, over the last ~1 / `NOISE_DECAY` steps).
-The floor guards the alarm only: a straggler recovers when its scores are
-back above the thresholds, so a real one does not flap when noise rises.
+with) * its rows (of its latest reading with rows). Its current cost is
+the lower of its median and its latest reading (slow over the window but
+not now is not slow now); the compared cost is the best replica's median
+(relative score) or its own median times its individual score. The excess
+must exceed the noise floor, the largest of `min_excess_seconds`,
+`NOISE_MADS` median absolute deviations of the window's step times (all
+replicas pooled: the usual jitter) and `NOISE_MEANS` times
+`ScoreState.noise` (how often and by how much steps get delayed here, over
+the last ~1 / `NOISE_DECAY` steps). The floor guards the alarm only: a
+straggler recovers when its scores are back above the thresholds, so a
+real one does not flap when noise rises.
 
 Why: on a loaded 2-core machine (two equal logical CPUs, measured by
 benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
@@ -35,7 +36,7 @@ gives its core away for a time slice, for one replica and not the other,
 several steps in a row; and the whole machine's pace drifts 2x within a
 run, so a replica's luckiest window (its baseline) is far from its usual
 pace. Without the floor and the common-mode division, two equal replicas
-were flagged 36-106 times per 1000-1200 steps.
+were flagged 42-128 times per 1200 steps.
 """
 
 import dataclasses
@@ -81,7 +82,9 @@ class StragglerEvent:
         worker: Index of the worker (task) running the replica.
         device: The replica's device.
         relative_score: Best replica's cost per row / this replica's.
-        individual_score: This replica's baseline cost / its current cost.
+        individual_score: This replica's baseline cost / its current cost,
+            divided by the highest such ratio of the replicas (when there
+            are others).
         kind: `"straggler"` or `"recovered"`.
     """
 
@@ -102,10 +105,12 @@ class ScoreState:
         readings: `[window, replicas]` recent costs per row, NaN = none.
         seen: How many readings have been added.
         baseline: Lowest median cost per replica so far (NaN = none yet).
-        below: Consecutive evaluations below the threshold, per replica.
-        above: Consecutive evaluations at or above it, per replica.
+        below: Consecutive low evaluations (see `evaluate`), per replica.
+        above: Consecutive evaluations that were not, per replica.
         flagged: Whether each replica is currently a straggler.
-        rows: Rows of each replica in the latest reading (0 before any).
+        rows: Rows of each replica in its latest reading with rows (0
+            before any): a worker of a ParameterServerStrategy job that
+            finished no step since the last batch end reads 0 rows.
         noise: Exponential average (weight `NOISE_DECAY`) of the steps'
             mean deviation from their replica's median, in seconds.
     """
@@ -158,11 +163,12 @@ class ScoreState:
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
     window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
+    rows = np.asarray(rows, np.float64)
     return dataclasses.replace(
         state,
         readings=window.readings,
         seen=state.seen + 1,
-        rows=np.asarray(rows, np.float64),
+        rows=np.where(rows > 0, rows, state.rows),
     )
 
 
@@ -365,11 +371,12 @@ class Scorer:
         if relative_threshold is None:
             relative_threshold = threshold
         nan = float("nan")
-        self.rows = [float(r) for r in rows]
+        rows = [float(r) for r in rows]
         reading = [
             float(s) / r if r > 0 else nan
-            for r, s in zip(self.rows, compute_seconds)
+            for r, s in zip(rows, compute_seconds)
         ]
+        self.rows = [r if r > 0 else old for r, old in zip(rows, self.rows)]
         self.readings.pop(0)
         self.readings.append(reading)
         self.seen += 1

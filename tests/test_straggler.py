@@ -318,6 +318,19 @@ def test_a_straggler_does_not_recover_because_the_noise_rises():
     assert state.flagged[1]
 
 
+def test_a_worker_that_rarely_finishes_a_step_is_still_costed():
+    # ParameterServerStrategy: a 20x slower worker finishes a step at one
+    # batch end in four and reads 0 rows at the others; its excess is
+    # costed with the rows of its latest reading that had rows.
+    costs = np.full((60, 2), 0.0005)
+    costs[:, 1] = 0.01
+    rows = np.full((60, 2), 8.0)
+    rows[np.arange(60) % 4 != 0, 1] = 0.0
+    state, events = _run(costs, rows)
+    assert [(e[1], e[2]) for e in events] == [(1, "straggler")]
+    np.testing.assert_array_equal(state.rows, [8.0, 8.0])
+
+
 def test_fast_scorer_matches_the_numpy_core_on_a_busy_machine():
     # The noise floor, the latest-reading rule, the common-mode division
     # and the recovery rule, cross-checked: calm 2 ms steps, then 4 ms

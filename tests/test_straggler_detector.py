@@ -66,17 +66,17 @@ def test_slowed_replica_is_flagged_with_hook_logs_and_tensorboard(
 
 
 def test_equal_replicas_raise_no_false_alarm():
-    # Two equal logical CPUs, millisecond steps of a small MLP and no
-    # simulated slowness: the steps' own scheduling jitter (on a shared
-    # 2-core machine) is all there is. Three epochs, 450 steps.
+    # Two equal logical CPUs, ~3 ms steps of an MLP and no simulated
+    # slowness: the steps' own scheduling jitter (on a shared 2-core
+    # machine) is all there is. Three epochs, 450 steps.
     strategy = helpers.mirrored(DEVICES[:2])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128 * 150, 32)).astype("float32")
     examples = tf.data.Dataset.from_tensor_slices((x, x[:, :1]))
     with strategy.scope():
         inputs = keras.Input((32,))
-        hidden = keras.layers.Dense(256, activation="relu")(inputs)
-        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+        hidden = keras.layers.Dense(512, activation="relu")(inputs)
+        hidden = keras.layers.Dense(512, activation="relu")(hidden)
         model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
         model.compile(optimizer="sgd", loss="mse")
     detector = kh.callbacks.StragglerDetector()
