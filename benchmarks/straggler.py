@@ -162,7 +162,7 @@ def alarm_model(kind, strategy):
     """`(model, examples, global batch)` of one workload, real speeds."""
     import tensorflow as tf
 
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     rng = np.random.default_rng(0)
     with strategy.scope():
@@ -197,7 +197,7 @@ class _Recorder:
 
     @staticmethod
     def make():
-        from keras_hetero._compat import keras
+        from keras_hetero import keras
 
         class Record(keras.callbacks.Callback):
             def on_train_begin(self, logs=None):
