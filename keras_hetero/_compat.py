@@ -361,7 +361,11 @@ def build_optimizer(model):
             built = getattr(optimizer, "_built", False) or not hasattr(
                 optimizer, "build"
             )
-        if not built and tf.distribute.in_cross_replica_context():
+        in_replica_context = (
+            tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context()
+        )
+        if not built and not in_replica_context:
             with model.distribute_strategy.scope():
                 optimizer.build(model.trainable_variables)
         elif not built:

@@ -184,8 +184,10 @@ def test_arguments_without_meaning_under_parameter_server_are_refused():
             "fit", lambda c: None, None, (), {"batch_size": 32}
         )
     data = kh.data.shard(helpers.examples(), 16)
-    with pytest.raises(ValueError, match="HeteroDataset"):
-        model_lib._parameter_server_arguments("fit", data, None, (), {})
+    with pytest.raises(ValueError, match=r"\['class_weight'\]"):
+        model_lib._parameter_server_arguments(
+            "fit", data, None, (), {"class_weight": {0: 1.0}}
+        )
     options = model_lib._parameter_server_arguments(
         "evaluate", "fn", None, (), {"steps": 3, "verbose": 0}
     )
