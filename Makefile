@@ -32,7 +32,7 @@ MULTI_WORKER_TEST := tests/test_multi_worker.py::test_fit_evaluate_predict_match
 
 .PHONY: install install-oldest demo test test-quick test-keras3 test-legacy \
 	test-quick-keras3 test-quick-legacy test-oldest test-oldest-keras3 \
-	test-oldest-legacy lint bench docs clean
+	test-oldest-legacy conformance lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,13 @@ test-oldest-keras3: $(OLD_STAMP)
 test-oldest-legacy: $(OLD_STAMP)
 	TF_USE_LEGACY_KERAS=1 $(OLD_BIN)/python $(PYTEST) tests -m "not slow"
 	TF_USE_LEGACY_KERAS=1 $(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)"
+
+## Keras' own tests, stock vs HeteroModel (docs/conformance.md). Downloads
+## the installed Keras' sdist; fails on a difference in neither
+## tests/conformance/allowed.txt nor known_failures.txt.
+conformance: $(STAMP)
+	$(BIN)/python tests/conformance/run.py
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python tests/conformance/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check keras_hetero tests benchmarks examples docs/griffe_examples.py .ci

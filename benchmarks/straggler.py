@@ -37,7 +37,7 @@ GLOBAL_BATCH = 32
 
 
 def build(strategy, replicas):
-    from keras_hetero._compat import keras
+    from keras_hetero import keras
 
     with strategy.scope():
         inputs = keras.Input((16,))
@@ -62,7 +62,7 @@ class _Speeds:
 
     @staticmethod
     def make(layer, schedule):
-        from keras_hetero._compat import keras
+        from keras_hetero import keras
 
         class SetSpeeds(keras.callbacks.Callback):
             def on_train_begin(self, logs=None):
@@ -133,7 +133,7 @@ class _Timed:
 
     @staticmethod
     def make(inner):
-        from keras_hetero._compat import keras
+        from keras_hetero import keras
 
         class Timed(keras.callbacks.Callback):
             seconds = 0.0

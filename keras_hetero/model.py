@@ -458,6 +458,19 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         Args:
             config: The dict `get_compile_config()` returned at save time.
         """
+        if type(self).compile is not HeteroModel.compile:
+            # As Keras does for a `compile` it does not know (the user's).
+            warnings.warn(
+                "`compile()` was not called as part of model loading "
+                "because the model's `compile()` method is custom. "
+                "All subclassed Models that have `compile()` "
+                "overridden should also override "
+                "`get_compile_config()` and `compile_from_config(config)`. "
+                "Alternatively, you can call `compile()` manually after "
+                "loading.",
+                stacklevel=2,
+            )
+            return
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if self.built:
