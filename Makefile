@@ -11,13 +11,18 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # tests spend their time in subprocesses and worker processes). Whole files
 # go to one worker (--dist loadfile): a module's shared fixtures (a Ray
 # cluster, the examples' runs) start once, and no two tests of a file run
-# at once. PYTEST_WORKERS=0 runs in one process.
+# at once. Tests marked `serial` (judged by measured speed) run alone
+# afterwards. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 PYTEST := -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=10
+SERIAL := -m pytest -m serial --durations=5
 
 # The oldest tested versions (docs/versions.md): Colab's TensorFlow and
 # Keras, installed first as a user has them; `pip install .` must keep them.
-OLDEST_PYTHON ?= $(shell command -v python3.10 || echo $(PYTHON))
+# Python 3.10, the oldest supported, if one runs (a pyenv shim may not).
+OLDEST_PYTHON ?= $(firstword $(shell for p in python3.10 \
+	$(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10); do \
+	$$p -c "" 2>/dev/null && echo $$p; done) $(PYTHON))
 OLDEST := tensorflow==2.19.1 keras==3.10.0 tf-keras==2.19.0
 OLD_VENV := .venv-oldest
 OLD_BIN := $(OLD_VENV)/bin
@@ -61,10 +66,12 @@ demo: $(STAMP)
 test: test-keras3 test-legacy
 
 test-keras3: $(STAMP)
-	$(BIN)/python $(PYTEST) tests
+	$(BIN)/python $(PYTEST) tests -m "not serial"
+	$(BIN)/python $(SERIAL) tests
 
 test-legacy: $(STAMP)
-	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(PYTEST) tests
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(PYTEST) tests -m "not serial"
+	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(SERIAL) tests
 
 ## Without the slow multi-process tests, Keras 3 then tf-keras.
 test-quick: test-quick-keras3 test-quick-legacy

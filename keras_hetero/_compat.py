@@ -361,19 +361,19 @@ def build_optimizer(model):
             built = getattr(optimizer, "_built", False) or not hasattr(
                 optimizer, "build"
             )
-        in_replica_context = (
+        inside_run = (
             tf.distribute.has_strategy()
             and not tf.distribute.in_cross_replica_context()
         )
-        if not built and not in_replica_context:
+        if not built and inside_run:
+            # A lazily built model's first XLA trace, inside `strategy.run`:
+            # in the strategy's scope already, which a replica context
+            # cannot enter again ("Method requires being in cross-replica
+            # context", e.g. under OneDeviceStrategy).
+            optimizer.build(model.trainable_variables)
+        elif not built:
             with model.distribute_strategy.scope():
                 optimizer.build(model.trainable_variables)
-        elif not built:
-            # Inside `strategy.run` (a lazily built model's first XLA trace):
-            # already in the strategy's scope, which cannot be entered again
-            # from a replica context ("Method requires being in
-            # cross-replica context", e.g. under OneDeviceStrategy).
-            optimizer.build(model.trainable_variables)
     return optimizer
 
 
