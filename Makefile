@@ -65,13 +65,15 @@ demo: $(STAMP)
 ## The whole suite, Keras 3 then tf-keras (what CI runs).
 test: test-keras3 test-legacy
 
+# Each recipe runs both of its steps and fails if either did.
 test-keras3: $(STAMP)
-	$(BIN)/python $(PYTEST) tests -m "not serial"
-	$(BIN)/python $(SERIAL) tests
+	$(BIN)/python $(PYTEST) tests -m "not serial"; status=$$?; \
+	$(BIN)/python $(SERIAL) tests || status=1; exit $$status
 
 test-legacy: $(STAMP)
-	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(PYTEST) tests -m "not serial"
-	TF_USE_LEGACY_KERAS=1 $(BIN)/python $(SERIAL) tests
+	export TF_USE_LEGACY_KERAS=1; \
+	$(BIN)/python $(PYTEST) tests -m "not serial"; status=$$?; \
+	$(BIN)/python $(SERIAL) tests || status=1; exit $$status
 
 ## Without the slow multi-process tests, Keras 3 then tf-keras.
 test-quick: test-quick-keras3 test-quick-legacy
@@ -87,12 +89,15 @@ test-quick-legacy: $(STAMP)
 test-oldest: test-oldest-keras3 test-oldest-legacy
 
 test-oldest-keras3: $(OLD_STAMP)
-	$(OLD_BIN)/python $(PYTEST) tests -m "not slow"
-	$(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)"
+	$(OLD_BIN)/python $(PYTEST) tests -m "not slow"; status=$$?; \
+	$(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)" || status=1; \
+	exit $$status
 
 test-oldest-legacy: $(OLD_STAMP)
-	TF_USE_LEGACY_KERAS=1 $(OLD_BIN)/python $(PYTEST) tests -m "not slow"
-	TF_USE_LEGACY_KERAS=1 $(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)"
+	export TF_USE_LEGACY_KERAS=1; \
+	$(OLD_BIN)/python $(PYTEST) tests -m "not slow"; status=$$?; \
+	$(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)" || status=1; \
+	exit $$status
 
 ## Keras' own tests, stock vs HeteroModel (docs/conformance.md). Downloads
 ## the installed Keras' sdist; fails on a difference in neither

@@ -138,7 +138,6 @@ def test_kh_data_shard_input():
     assert sum(value["rows"]) % 8 == 0 and sum(value["rows"]) > 0, value
 
 
-@pytest.mark.serial  # a busy neighbour blurs the simulated 20x slowdown
 def test_slow_worker_is_flagged_and_does_fewer_steps():
     with _coordinator("slow_worker") as (_, _, result):
         value = result()
