@@ -273,8 +273,15 @@ def test_nulls_fail_with_their_count_unless_filled(tmp_path):
     examples = kh.data.from_arrow(table.to_reader(), ["v"])
     with pytest.raises(tf.errors.OpError, match="'v' has 1 null row"):
         _ids_or_values(examples)
+    # pyarrow < 26 (the newest for Python 3.10 is 25.0.1) cannot read a
+    # null row of a fixed-size list back from Parquet itself
+    # (`pq.read_table` fails: "Expected all lists to be of size=2 but index
+    # 2 had size=0"); the in-memory table shows the same filling there.
+    filled = tmp_path / "nulls.parquet"
+    if int(pa.__version__.split(".")[0]) < 26:
+        filled = table
     examples = kh.data.from_arrow(
-        tmp_path / "nulls.parquet", fill_null={"a": -1.0, "v": 0, "s": "?"}
+        filled, fill_null={"a": -1.0, "v": 0, "s": "?"}
     )
     values = _ids_or_values(examples)
     np.testing.assert_array_equal(values["a"], [1, -1, -1, 4, -1])
