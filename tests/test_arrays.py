@@ -422,14 +422,7 @@ def test_multi_worker_array_input_is_exact_and_shuffles_alike():
     reference = helpers.id_model([], 0.0)
     reference.set_weights(first["initial"])
     expected = reference.fit(
-        inputs,
-        y,
-        sample_weight=weights,
-        batch_size=24,
-        epochs=2,
-        shuffle=False,
-        validation_split=0.25,
-        verbose=0,
+        inputs, y, sample_weight=weights, **workers_lib.ARRAYS_FIT
     ).history
     evaluation = reference.evaluate(
         inputs, y, sample_weight=weights, return_dict=True, verbose=0

@@ -235,6 +235,13 @@ def observe_mwms(out):
     }
 
 
+# The array fit of `arrays_mwms`, which tests/test_arrays.py repeats on one
+# device as the reference: one place, so the two cannot drift apart.
+ARRAYS_FIT = dict(
+    batch_size=24, epochs=2, shuffle=False, validation_split=0.25, verbose=0
+)
+
+
 def arrays_mwms(rows):
     """Numpy input under MultiWorkerMirrored: a fit in order with sample
     weights, validation_split and ShardRebalancer(), evaluate, predict; a
@@ -263,15 +270,7 @@ def arrays_mwms(rows):
         every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
     )
     history = model.fit(
-        inputs,
-        y,
-        sample_weight=weights,
-        batch_size=24,
-        epochs=2,
-        shuffle=False,
-        validation_split=0.25,
-        verbose=0,
-        callbacks=[rebalancer],
+        inputs, y, sample_weight=weights, callbacks=[rebalancer], **ARRAYS_FIT
     )
     result = {
         "initial": initial,
