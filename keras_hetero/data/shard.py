@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
+from keras_hetero.data import reproducibility
 from keras_hetero.data import shares as shares_lib
 
 # The graph-level seed of the function that shuffles one pass (see
@@ -320,6 +321,21 @@ class HeteroDataset:
             dataset = dataset.with_options(self._options)
         return dataset
 
+    def unreproducible_stages(self):
+        """The stages of the examples whose order or values a restart (or
+        another worker) cannot reproduce: `[]` for arrays and
+        `kh.data.from_arrow` input, which keep their order.
+
+        Returns:
+            A list of `reproducibility.Stage` (see docs/checkpoints.md).
+
+        Raises:
+            ValueError: If the pipeline cannot be inspected.
+        """
+        # Sources we build (arrays) keep their order by construction.
+        stages = getattr(self._source, "unreproducible_stages", None)
+        return [] if stages is None else stages()
+
     # --- tf.data methods --------------------------------------------------
 
     def with_options(self, options, name=None):
@@ -576,9 +592,15 @@ class _DatasetSource:
         self.examples = examples
         count = int(examples.cardinality())
         self.num_examples = None if count < 0 else count
+        self._stages = None
 
     def cache(self, filename):
         return _DatasetSource(self.examples.cache(filename))
+
+    def unreproducible_stages(self):
+        if self._stages is None:  # the pipeline never changes
+            self._stages = reproducibility.unreproducible_stages(self.examples)
+        return list(self._stages)
 
     def pass_batches(self, start_pass, global_batch_size, shuffle):
         """One pass's global batches (traced once, run at each pass)."""
@@ -704,7 +726,7 @@ def shard(
         )
     shuffle = check_shuffle(shuffle, examples)
     seed = check_seed(seed)
-    return HeteroDataset(
+    dataset = HeteroDataset(
         examples,
         int(global_batch_size),
         strategy,
@@ -713,6 +735,34 @@ def shard(
         shuffle=shuffle,
         seed=seed,
     )
+    _check_same_order_on_workers(dataset)
+    return dataset
+
+
+def _check_same_order_on_workers(dataset):
+    """Refuses examples whose order may differ between workers.
+
+    Every worker reads the whole example stream and keeps its replicas' rows
+    of each global batch, so two workers that see another order lose some
+    examples and train others twice, at every step. (ParameterServerStrategy
+    workers each train whole batches of their own stream: no split.)
+    """
+    strategy = dataset.strategy
+    if _distribute.is_parameter_server(strategy):
+        return
+    if _distribute.num_workers(strategy) < 2:
+        return
+    stages = [s for s in dataset.unreproducible_stages() if s.across_workers]
+    if stages:
+        raise ValueError(
+            "Invalid value for argument `examples`: under "
+            f"{type(strategy).__name__} with "
+            f"{_distribute.num_workers(strategy)} workers every worker reads "
+            "all examples and keeps its rows of each global batch, so they "
+            "must come out in the same order on every worker. These stages "
+            "may give each worker another order (some examples would be "
+            "trained twice, others never):\n" + reproducibility.describe(stages)
+        )
 
 
 def check_shuffle(shuffle, examples):
