@@ -648,7 +648,14 @@ def shard(
 
     In multi-worker jobs every worker reads the whole example stream and keeps
     its own rows, so `examples` must produce the same order on every worker:
-    shuffle with `shuffle=` here (or seed your own shuffle).
+    shuffle with `shuffle=` here (or seed your own shuffle). Under more than
+    one worker (not ParameterServerStrategy, whose workers do not split
+    batches) `shard` reads the examples' tf.data pipeline and refuses stages
+    whose order may differ between workers: a shuffle or `Dataset.random`
+    without a seed (nor `tf.random.set_seed`), `deterministic=False` in a
+    parallel `map` / `interleave` / `batch` or in `tf.data.Options`, an
+    unseeded random op in a `filter`. On one worker nothing is checked here
+    (`kh.callbacks.ElasticCheckpoint` checks what a restart needs).
 
     With `shuffle`, each pass over the examples (an epoch) has its own
     order, a function of `(seed, pass)` only: the same on every worker, and
@@ -688,7 +695,9 @@ def shard(
             number of replicas, `shares` is not one finite, non-negative
             number per replica with a positive sum, `shuffle` is not None,
             a bool or a positive int (or `True` with an unknown number of
-            examples), or `seed` is not None or an int >= 0.
+            examples), or `seed` is not None or an int >= 0; under more than
+            one worker, if a stage of `examples` may give each worker
+            another order (the message names it and the fix).
 
     Example:
 
