@@ -40,3 +40,24 @@ def shuffled_ids_mwms(kind, epochs=2, check=True):
             epoch.append([int(i) for part in local for i in np.asarray(part)])
         seen.append(epoch)
     return seen
+
+
+def random_map_values(kind, passes=2):
+    """The values a `map` with a random op of `kind` gives through
+    `kh.data.shard`, pass by pass (no strategy: one device)."""
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_hetero as kh
+
+    examples = tf.data.Dataset.range(ROWS).map(lambda i: tf.cast(i, "float32"))
+    if kind == "seeded_op":
+        examples = examples.map(lambda x: x + tf.random.uniform([], seed=5))
+    elif kind == "generator":
+        generator = tf.random.Generator.from_seed(1)
+        examples = examples.map(lambda x: x + generator.uniform([]))
+    dataset = kh.data.shard(examples, GLOBAL_BATCH)
+    return [
+        np.concatenate(list(dataset.as_distributed_dataset())).tolist()
+        for _ in range(passes)
+    ]

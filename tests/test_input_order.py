@@ -431,3 +431,48 @@ def test_shard_under_two_workers():
         assert sorted(ids) == list(range(order_workers.ROWS))
         orders.append(ids)
     assert orders[0] != orders[1]  # it does reshuffle
+
+
+# --- what the classification rests on (measured) -----------------------------
+
+
+def test_seeded_random_op_repeats_its_numbers_every_pass():
+    """Why a seeded stateful op counts as exact and a `tf.random.Generator`
+    does not: the op draws the same numbers on every pass over the data
+    (and in a fresh process: `test_random_numbers_in_a_fresh_process`)."""
+    seeded = order_workers.random_map_values("seeded_op")
+    assert seeded[0] == seeded[1]
+    advancing = order_workers.random_map_values("generator")
+    assert advancing[0] != advancing[1]
+
+
+@pytest.mark.slow
+def test_random_numbers_in_a_fresh_process():
+    """A fresh process (a restart) repeats a seeded op's numbers, but
+    starts a Generator again at its first pass's numbers."""
+    for kind in ("seeded_op", "generator"):
+        here = order_workers.random_map_values(kind)
+        (fresh,) = kh.testing.run_workers(
+            order_workers.random_map_values, 1, timeout=120, args=(kind, 1)
+        )
+        assert fresh.value[0] == here[0]
+        if kind == "generator":
+            # The pass a restart would resume is not the one trained on.
+            assert fresh.value[0] != here[1]
+
+
+def test_a_pipeline_that_cannot_be_inspected_warns_and_trains(
+    tmp_path, monkeypatch
+):
+    """E.g. more than 2 GB of constants, which tf.data cannot serialize."""
+
+    def fail(dataset):
+        raise tf.errors.InvalidArgumentError(None, None, "too large")
+
+    compat = importlib.import_module("keras_hetero._compat")
+    monkeypatch.setattr(compat, "dataset_graph", fail)
+    data = kh.data.shard(_examples().shuffle(ROWS), BATCH)
+    with pytest.warns(UserWarning, match="Could not inspect.*too large"):
+        assert data.unreproducible_stages() == []
+    steps, _ = _fit(_model(), data, kh.callbacks.ElasticCheckpoint(tmp_path))
+    assert steps == ROWS // BATCH

@@ -2,6 +2,7 @@
 
 import copy
 import threading
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -599,7 +600,21 @@ class _DatasetSource:
 
     def unreproducible_stages(self):
         if self._stages is None:  # the pipeline never changes
-            self._stages = reproducibility.unreproducible_stages(self.examples)
+            try:
+                self._stages = reproducibility.unreproducible_stages(
+                    self.examples
+                )
+            except ValueError as error:
+                # Not a reason to refuse input that may well be fine.
+                warnings.warn(
+                    f"{error} Exact resume and multi-worker training need "
+                    "the examples in the same order in every process; make "
+                    'sure they are (docs/checkpoints.md, "Input pipelines '
+                    'and exact resume").',
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self._stages = []
         return list(self._stages)
 
     def pass_batches(self, start_pass, global_batch_size, shuffle):
