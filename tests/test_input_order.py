@@ -476,3 +476,16 @@ def test_a_pipeline_that_cannot_be_inspected_warns_and_trains(
         assert data.unreproducible_stages() == []
     steps, _ = _fit(_model(), data, kh.callbacks.ElasticCheckpoint(tmp_path))
     assert steps == ROWS // BATCH
+
+
+def test_seeded_reshuffle_before_a_cache_is_exact():
+    """`cache()` keeps the first pass's order, the same in every process;
+    without a seed it differs between processes."""
+    seeded = kh.data.shard(_examples().shuffle(ROWS, seed=1).cache(), BATCH)
+    assert seeded.unreproducible_stages() == []
+    unseeded = kh.data.shard(_examples().shuffle(ROWS).cache(), BATCH)
+    assert [s.op for s in unseeded.unreproducible_stages()] == [
+        "ShuffleDatasetV3"
+    ]
+    after = kh.data.shard(_examples().cache().shuffle(ROWS, seed=1), BATCH)
+    assert [s.op for s in after.unreproducible_stages()] == ["ShuffleDatasetV3"]

@@ -170,8 +170,9 @@ def unreproducible_stages(examples):
     def visit(nodes, context):
         nodes = list(nodes)
         constants = {n.name: n for n in nodes if n.op == "Const"}
+        cached = _cached(nodes)
         for node in nodes:
-            stage = _check(node, constants, context)
+            stage = _check(node, constants, context, node.name in cached)
             if stage is not None and stage not in stages:
                 stages.append(stage)
             for name in _functions_of(node):
@@ -196,9 +197,10 @@ def unreproducible_stages(examples):
     return stages
 
 
-def _check(node, constants, context):
+def _check(node, constants, context, cached=False):
     """The Stage for `node`, or None. `context`: `(dataset op, function)`
-    whose body holds `node`, or None at the top of the pipeline."""
+    whose body holds `node`, or None at the top of the pipeline. `cached`:
+    a `cache()` after `node` keeps its first pass for every later one."""
     op = node.op
     function = None if context is None else _user_name(context[1])
     if op in _SHUFFLES or op in _RANDOM_DATASETS:
@@ -232,6 +234,10 @@ def _check(node, constants, context):
                 "building the pipeline)",
                 across_workers=True,
             )
+        if again and cached:
+            # Seeded: its first pass, which the cache keeps, is the same
+            # in every process.
+            return None
         if again and op in _SHUFFLES:
             return Stage(
                 name,
@@ -305,6 +311,26 @@ def _check(node, constants, context):
             across_workers=False,
         )
     return None
+
+
+def _cached(nodes):
+    """Names of the nodes whose output a `cache()` stores."""
+    by_name = {node.name: node for node in nodes}
+    upstream, pending = (
+        set(),
+        [
+            node
+            for node in nodes
+            if node.op in ("CacheDataset", "CacheDatasetV2")
+        ],
+    )
+    while pending:
+        for source in pending.pop().input:
+            name = source.lstrip("^").split(":")[0]
+            if name in by_name and name not in upstream:
+                upstream.add(name)
+                pending.append(by_name[name])
+    return upstream
 
 
 def _functions_of(node):
