@@ -327,11 +327,24 @@ class HeteroDataset:
         another worker) cannot reproduce: `[]` for arrays and
         `kh.data.from_arrow` input, which keep their order.
 
-        Returns:
-            A list of `reproducibility.Stage` (see docs/checkpoints.md).
+        `kh.callbacks.ElasticCheckpoint` refuses a dataset with any (before
+        the first step); `kh.data.shard` under several workers refuses
+        those whose order may differ between workers (`across_workers`).
+        A pipeline that cannot be inspected (more than 2 GB of captured
+        constants) gives a warning and `[]`.
 
-        Raises:
-            ValueError: If the pipeline cannot be inspected.
+        Returns:
+            A list of `keras_hetero.data.reproducibility.Stage`, each with
+            the stage, its op, the function it runs in, the problem and the
+            fix (see docs/checkpoints.md, "Input pipelines and exact
+            resume").
+
+        Example:
+
+        >>> examples = tf.data.Dataset.range(8).map(lambda i: (i, i))
+        >>> ds = shard(examples.shuffle(8, seed=1), global_batch_size=4)
+        >>> [stage.op for stage in ds.unreproducible_stages()]
+        ['ShuffleDatasetV3']
         """
         # Sources we build (arrays) keep their order by construction.
         stages = getattr(self._source, "unreproducible_stages", None)
