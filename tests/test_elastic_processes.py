@@ -2,7 +2,8 @@
 
 The worker script is `tests/scripts/elastic_train.py`: 80 examples, global
 batch 8 (10 steps per epoch), 2 epochs; it records the ids each train step
-used, per attempt and worker.
+used, per attempt and worker. Input kinds (shuffled Dataset, arrays,
+Parquet, TFRecord, random augmentation) are in `tests/elastic_inputs.py`.
 """
 
 import glob
@@ -12,7 +13,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
+import elastic_inputs
 import helpers
 import numpy as np
 import pytest
@@ -21,6 +24,8 @@ from conftest import DEVICES
 import keras_hetero as kh
 from keras_hetero import checkpointing
 from keras_hetero import launcher
+from keras_hetero._compat import keras
+from keras_hetero.data.arrays import from_arrays
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +59,22 @@ def _restored_step(out):
     return min(second) - 1
 
 
+def _committed_attempts(out):
+    """Ids per step of a run restarted any number of times, and the step
+    each attempt started after: attempt k counts up to the step attempt
+    k + 1 restored, the last one to its end."""
+    attempts = len(glob.glob(os.path.join(out, "attempt*-worker0.jsonl")))
+    records = [_records(out, attempt) for attempt in range(attempts)]
+    restored = [0] + [min(steps) - 1 for steps in records[1:]]
+    committed = {}
+    for attempt, steps in enumerate(records):
+        last = restored[attempt + 1] if attempt + 1 < attempts else np.inf
+        for step, ids in steps.items():
+            if restored[attempt] < step <= last:
+                committed[step] = ids
+    return committed, restored
+
+
 def _assert_exactly_once(steps, epochs=2):
     assert sorted(steps) == list(range(1, epochs * STEPS_PER_EPOCH + 1))
     for epoch in range(epochs):
@@ -65,6 +86,64 @@ def _assert_exactly_once(steps, epochs=2):
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
 
 
+def _assert_same_batches(steps, expected):
+    """Every step trained the global batch of the uninterrupted run."""
+    assert sorted(steps) == sorted(expected)
+    for step in sorted(expected):
+        assert sorted(steps[step]) == sorted(expected[step]), f"step {step}"
+
+
+def _one_device_run(initial, make_data, epochs):
+    """One-device training on `make_data(strategy)`: final weights and
+    `{step: ids}`."""
+    strategy = helpers.mirrored(DEVICES[:1])
+    seen, steps = [], {}
+    with strategy.scope():
+        model = helpers.id_model(seen, 0.0)
+    model.set_weights(initial)
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps[int(model.optimizer.iterations.numpy())] = list(seen)
+            seen.clear()
+
+    model.fit(
+        make_data(strategy), epochs=epochs, verbose=0, callbacks=[Record()]
+    )
+    return model.get_weights(), steps
+
+
+def _shuffle_seed(ckpt):
+    """The array shuffle seed the job chose (in every checkpoint)."""
+    names = checkpointing.list_checkpoints(ckpt)
+    seeds = {
+        checkpointing.verify(os.path.join(ckpt, name))["shuffle_seed"]
+        for name in names
+    }
+    assert len(seeds) == 1 and None not in seeds, seeds
+    return seeds.pop()
+
+
+def _reference_data(kind, data_dir, ckpt):
+    """`make_data` of the one-device reference of an input kind."""
+    if kind == "arrays":
+        # fit(shuffle=True) orders pass p by (seed, p), the seed drawn when
+        # training starts and saved in every checkpoint.
+        seed = _shuffle_seed(ckpt)
+        x, y = elastic_inputs.arrays()
+        return lambda strategy: from_arrays(
+            x, y, batch_size=BATCH, strategy=strategy, shuffle=True, seed=seed
+        )
+    if kind == "augment":
+        kind = "shard"  # the same examples in the same order
+    # The file-list shuffle of "tfrecord" depends on the global seed, which
+    # the workers set to 1.
+    keras.utils.set_random_seed(1)
+    return lambda strategy: elastic_inputs.dataset(
+        kind, BATCH, strategy, data_dir
+    )
+
+
 def _reference(initial):
     strategy = helpers.mirrored(DEVICES[:1])
     with strategy.scope():
@@ -73,6 +152,26 @@ def _reference(initial):
     data = kh.data.shard(helpers.id_examples(ROWS), BATCH, strategy=strategy)
     model.fit(data, epochs=2, verbose=0)
     return model.get_weights()
+
+
+def _launch(out, ckpt, workers, extra, max_restarts):
+    log = io.StringIO()
+    started = time.perf_counter()
+    result = launcher.launch(
+        [sys.executable, SCRIPT, "--out", out, "--ckpt", ckpt] + extra,
+        workers,
+        max_restarts=max_restarts,
+        # The surviving worker waits in a collective for the killed one:
+        # it never exits on SIGTERM, so grace is dead time.
+        grace_seconds=1,
+        output=log,
+    )
+    seconds = time.perf_counter() - started
+    print(
+        f"launcher job {extra}: {seconds:.1f}s, {len(result.attempts)} "
+        "attempt(s)"
+    )
+    return result, log.getvalue()
 
 
 def _load(path):
@@ -114,6 +213,79 @@ def test_kill_9_a_worker_under_the_launcher_then_finish_exactly(tmp_path):
     initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
     final = _load(os.path.join(out, "attempt1-worker0-final.npz"))
     helpers.assert_weights_close(final, _reference(initial))
+
+
+EPOCHS = 3
+
+# input kind -> (kill steps, one per attempt; save settings). With 10 steps
+# per epoch the kills hit the first (1, 11, 21) and last (10, 20) step of
+# epochs and their middle, so resumes start mid-epoch and at epoch
+# boundaries; "tfrecord" saves every 3 steps in the background, so its
+# resumes also replay steps trained after the newest checkpoint.
+KILLS = {
+    "shard": ("1,10,11,17,20", ["--save-every", "1", "--sync-save"]),
+    "arrays": ("2,10,11,20,25", ["--save-every", "1", "--sync-save"]),
+    "arrow": ("1,10,11,20,24", ["--save-every", "1", "--sync-save"]),
+    "tfrecord": ("4,10,13,20,26", ["--save-every", "3"]),
+}
+
+
+def _run_killed(tmp_path, kind, faults, save, name="out"):
+    """A 2-worker launcher job of `kind` whose worker 1 is killed (SIGKILL)
+    at each step of `faults` in turn; returns the committed ids per step
+    and the step each attempt resumed after."""
+    out, ckpt = str(tmp_path / name), str(tmp_path / (name + "-ckpt"))
+    data_dir = str(tmp_path / "data")
+    fault_steps = [int(step) for step in faults.split(",") if step]
+    result, log = _launch(
+        out,
+        ckpt,
+        2,
+        ["--input", kind, "--data-dir", data_dir, "--epochs", str(EPOCHS)]
+        + ["--fault-at", faults]
+        + save,
+        max_restarts=len(fault_steps),
+    )
+    context = f"kind={kind} faults={faults}\n" + log[-4000:]
+    assert result.exit_code == 0, context
+    assert len(result.attempts) == len(fault_steps) + 1, context
+    for attempt in result.attempts[:-1]:
+        assert attempt.failed == (1,), context
+        assert attempt.exit_codes[1] == -signal.SIGKILL, context
+    committed, restored = _committed_attempts(out)
+    assert len(restored) == len(fault_steps) + 1, context
+    for attempt, fault in enumerate(fault_steps):
+        # Resumed from a checkpoint at or before the kill, never earlier
+        # than the previous resume.
+        assert restored[attempt] <= restored[attempt + 1] <= fault, context
+    print(f"{kind}: killed at {fault_steps}, resumed after {restored[1:]}")
+    _assert_exactly_once(committed, epochs=EPOCHS)
+    return out, ckpt, committed, restored
+
+
+@pytest.mark.parametrize("kind", sorted(KILLS))
+def test_killed_five_times_with_shuffling_resumes_exactly(tmp_path, kind):
+    data_dir = str(tmp_path / "data")
+    elastic_inputs.write_files(kind, data_dir)
+    faults, save = KILLS[kind]
+    out, ckpt, committed, _ = _run_killed(tmp_path, kind, faults, save)
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = _load(
+        os.path.join(out, f"attempt{len(faults.split(','))}-worker0-final.npz")
+    )
+    weights, steps = _one_device_run(
+        initial, _reference_data(kind, data_dir, ckpt), EPOCHS
+    )
+    # Each step trained the global batch of the uninterrupted order (the
+    # epochs really are reshuffled), and the weights are its weights.
+    _assert_same_batches(committed, steps)
+    first_epoch = [steps[s] for s in range(1, STEPS_PER_EPOCH + 1)]
+    second_epoch = [
+        steps[s] for s in range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+    ]
+    assert first_epoch != second_epoch
+    assert sum(first_epoch, []) != list(range(ROWS))
+    helpers.assert_weights_close(final, weights)
 
 
 @pytest.mark.parametrize("after", [3, 1], ids=["2to3", "2to1"])
