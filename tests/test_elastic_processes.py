@@ -288,6 +288,37 @@ def test_killed_five_times_with_shuffling_resumes_exactly(tmp_path, kind):
     helpers.assert_weights_close(final, weights)
 
 
+def test_killed_with_random_augmentation_draws_the_same_numbers(tmp_path):
+    # GaussianNoise and Dropout on the features. Under tf-keras the script
+    # calls `enable_tf_random_generator()` (docs/checkpoints.md): without
+    # it tf-keras draws with TF1 stateful ops that no checkpoint can hold.
+    save = ["--save-every", "1", "--sync-save"]
+    faults = "1,10,15"
+    out, _, killed, _ = _run_killed(tmp_path, "augment", faults, save)
+    # The reference draws the same random streams: the same job, not killed.
+    plain_out = str(tmp_path / "plain")
+    result, log = _launch(
+        plain_out,
+        str(tmp_path / "plain-ckpt"),
+        2,
+        ["--input", "augment", "--epochs", str(EPOCHS)] + save,
+        max_restarts=0,
+    )
+    assert result.exit_code == 0, log[-4000:]
+    _assert_same_batches(killed, _records(plain_out, 0))
+    final = _load(os.path.join(out, "attempt3-worker0-final.npz"))
+    plain = _load(os.path.join(plain_out, "attempt0-worker0-final.npz"))
+    helpers.assert_weights_close(final, plain)
+    # The noise matters: without it (one device, same batches) the weights
+    # are others.
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    weights, steps = _one_device_run(
+        initial, _reference_data("augment", None, None), EPOCHS
+    )
+    _assert_same_batches(killed, steps)
+    assert not np.allclose(final[0], weights[0], rtol=1e-3)
+
+
 @pytest.mark.parametrize("after", [3, 1], ids=["2to3", "2to1"])
 def test_resume_with_a_different_worker_count(tmp_path, after):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")

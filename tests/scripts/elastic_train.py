@@ -88,7 +88,9 @@ def main():
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
-            records.write(json.dumps({"step": step, "ids": list(seen)}) + "\n")
+            loss = float((logs or {}).get("loss", float("nan")))
+            record = {"step": step, "ids": list(seen), "loss": loss}
+            records.write(json.dumps(record) + "\n")
             records.flush()
             os.fsync(records.fileno())
             seen.clear()
