@@ -19,6 +19,7 @@ import elastic_inputs
 import helpers
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
@@ -221,12 +222,13 @@ EPOCHS = 3
 # per epoch the kills hit the first (1, 11, 21) and last (10, 20) step of
 # epochs and their middle, so resumes start mid-epoch and at epoch
 # boundaries; "tfrecord" saves every 3 steps in the background, so its
-# resumes also replay steps trained after the newest checkpoint.
+# resumes also replay steps trained after the newest checkpoint, and a
+# ShardRebalancer moves the shares (worker 0 is simulated slower).
 KILLS = {
     "shard": ("1,10,11,17,20", ["--save-every", "1", "--sync-save"]),
     "arrays": ("2,10,11,20,25", ["--save-every", "1", "--sync-save"]),
     "arrow": ("1,10,11,20,24", ["--save-every", "1", "--sync-save"]),
-    "tfrecord": ("4,10,13,20,26", ["--save-every", "3"]),
+    "tfrecord": ("4,10,13,20,26", ["--save-every", "3", "--rebalance"]),
 }
 
 
@@ -286,6 +288,10 @@ def test_killed_five_times_with_shuffling_resumes_exactly(tmp_path, kind):
     assert first_epoch != second_epoch
     assert sum(first_epoch, []) != list(range(ROWS))
     helpers.assert_weights_close(final, weights)
+    if "--rebalance" in save:
+        # The shares moved (and every checkpoint since holds them).
+        shares = checkpointing.newest_valid(ckpt)[1]["shares"]
+        assert shares[0] < 0.4, shares
 
 
 def test_killed_with_random_augmentation_draws_the_same_numbers(tmp_path):
@@ -319,29 +325,77 @@ def test_killed_with_random_augmentation_draws_the_same_numbers(tmp_path):
     assert not np.allclose(final[0], weights[0], rtol=1e-3)
 
 
-@pytest.mark.parametrize("after", [3, 1], ids=["2to3", "2to1"])
-def test_resume_with_a_different_worker_count(tmp_path, after):
+def _ids_in_order(steps, first, last):
+    return sum((steps[step] for step in range(first, last + 1)), [])
+
+
+def _fit_in_order(model, order, batch):
+    """One epoch on the examples in `order`, in global batches of `batch`."""
+    x, y, _, ids = helpers.arrays(ROWS)
+    examples = tf.data.Dataset.from_tensor_slices(
+        ({"x": x[order], "id": ids[order]}, y[order])
+    )
+    strategy = model.distribute_strategy
+    model.fit(kh.data.shard(examples, batch, strategy=strategy), verbose=0)
+
+
+@pytest.mark.parametrize(
+    "after, kind, batch",
+    [(3, "shard", BATCH), (1, "arrays", BATCH), (3, "shard", 12)],
+    ids=["2to3-shuffled", "2to1-arrays", "2to3-batch12-scale_learning_rate"],
+)
+def test_resume_with_a_different_worker_count(tmp_path, after, kind, batch):
+    # Shuffled input, 2 epochs: 7 steps on 2 workers, the rest of the epoch
+    # and a whole reshuffled one on `after` workers (with global batch 12:
+    # the learning rate scaled by 12 / 8).
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    base = [sys.executable, SCRIPT, "--out", out, "--ckpt", ckpt]
-    log = io.StringIO()
-    first = launcher.launch(
-        base + ["--stop-after", "7", "--epochs", "1"],
-        2,
-        max_restarts=0,
-        output=log,
-    )
-    assert first.exit_code == 0, log.getvalue()[-4000:]
+    base = ["--input", kind, "--epochs", "2"]
+    first, log = _launch(out, ckpt, 2, base + ["--stop-after", "7"], 0)
+    assert first.exit_code == 0, log[-4000:]
     assert checkpointing.read_latest(ckpt) == "ckpt-0000000007"
-    second = launcher.launch(
-        base + ["--epochs", "1", "--attempt", "1"],
-        after,
-        max_restarts=0,
-        output=log,
+    more = ["--attempt", "1", "--batch", str(batch)]
+    if batch != BATCH:
+        more += ["--resize", "scale_learning_rate"]
+    second, log = _launch(out, ckpt, after, base + more, 0)
+    assert second.exit_code == 0, log[-4000:]
+    assert "resuming a 2-replica checkpoint (2 worker(s))" in log
+    steps, restored = _committed_attempts(out)
+    assert restored == [0, 7]
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = _load(os.path.join(out, "attempt1-worker0-final.npz"))
+    weights, expected = _one_device_run(
+        initial, _reference_data(kind, None, ckpt), 2
     )
-    assert second.exit_code == 0, log.getvalue()[-4000:]
-    assert "resuming a 2-replica checkpoint (2 worker(s))" in log.getvalue()
-    steps = _committed(out, 7)
-    _assert_exactly_once(steps, epochs=1)
+    if batch == BATCH:
+        _assert_same_batches(steps, expected)
+        _assert_exactly_once(steps, epochs=2)
+        helpers.assert_weights_close(final, weights)
+        return
+    assert "learning rate 0.05 -> 0.075" in log
+    # The order of both passes is the one-device run's; the resumed epoch
+    # continues at its 57th example in batches of 12 (steps 8, 9), the
+    # next one has 7 batches of up to 12 (steps 10-16).
+    passes = [
+        _ids_in_order(expected, 1, STEPS_PER_EPOCH),
+        _ids_in_order(expected, STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH),
+    ]
+    assert sorted(steps) == list(range(1, 17))
+    for step, start in [(s, (s - 1) * BATCH) for s in range(1, 8)]:
+        assert sorted(steps[step]) == sorted(passes[0][start : start + 8])
+    for step, start in ((8, 56), (9, 68)):
+        assert sorted(steps[step]) == sorted(passes[0][start : start + 12])
+    for step in range(10, 17):
+        start = (step - 10) * 12
+        assert sorted(steps[step]) == sorted(passes[1][start : start + 12])
+    strategy = helpers.mirrored(DEVICES[:1])
+    with strategy.scope():
+        model = helpers.id_model([], 0.0)
+    model.set_weights(initial)
+    _fit_in_order(model, passes[0][:56], BATCH)
+    model.optimizer.learning_rate = 0.05 * 12 / BATCH
+    _fit_in_order(model, passes[0][56:], 12)
+    _fit_in_order(model, passes[1], 12)
+    helpers.assert_weights_close(final, model.get_weights())
 
 
 def test_sigterm_saves_stops_and_resume_continues_next_step(tmp_path):

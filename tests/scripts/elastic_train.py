@@ -51,6 +51,11 @@ def main():
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--sync-save", action="store_true")
     parser.add_argument("--resize", default="keep_global_batch")
+    parser.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="worker 0 simulated 8x slower; a ShardRebalancer moves shares",
+    )
     args = parser.parse_args()
     faults = [int(step) for step in args.fault_at.split(",") if step]
     multi_worker = "TF_CONFIG" in os.environ
@@ -78,7 +83,9 @@ def main():
     if args.input == "augment":
         augment = elastic_inputs.augment_layers(keras)
     with strategy.scope():
-        model = helpers.id_model(seen, 0.0, augment=augment)
+        model = helpers.id_model(
+            seen, [0.004, 0.0005] if args.rebalance else 0.0, augment=augment
+        )
     os.makedirs(args.out, exist_ok=True)
     prefix = os.path.join(args.out, f"attempt{restart}-worker{task}")
     if restart == 0 and task == 0:
@@ -129,6 +136,16 @@ def main():
         data = elastic_inputs.dataset(
             args.input, args.batch, strategy, args.data_dir
         )
+        if args.rebalance:
+            callbacks.append(
+                kh.callbacks.ShardRebalancer(
+                    data,
+                    every_n_steps=3,
+                    warmup_steps=1,
+                    window=3,
+                    tolerance=0.0,
+                )
+            )
         model.fit(data, **fit)
     if task == 0:
         np.savez(prefix + "-final.npz", *model.get_weights())
