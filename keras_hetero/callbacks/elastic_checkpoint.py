@@ -296,7 +296,10 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             self._examples_in_epoch = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._epoch_complete():
+        if (
+            not isinstance(self._dataset, ParameterServerInput)
+            and self._epoch_complete()
+        ):
             # A resumed epoch whose data ran out: end it before Keras calls
             # a step that has no batch (and moves the layers' seeds).
             _compat.end_epoch_before_step()
