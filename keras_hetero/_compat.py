@@ -394,6 +394,7 @@ def checkpoint_variables(model):
     own = getattr(model, "_hetero_variables", None)
     if own is not None:  # loss scale, gradient accumulator
         variables += own()
+    variables += random_generator_states(model)
     unique, seen = [], set()
     for variable in variables:
         if id(variable) not in seen:
@@ -401,6 +402,40 @@ def checkpoint_variables(model):
             unique.append(variable)
     names = [getattr(v, "path", None) or v.name for v in unique]
     return names, unique
+
+
+def random_generator_states(model):
+    """tf-keras: the state variables of the layers' `tf.random.Generator`s.
+
+    Keras 3 random layers (Dropout, GaussianNoise, RandomFlip, ...) keep
+    their `SeedGenerator` state in `model.variables`, so a checkpoint has it
+    already. tf-keras layers draw through a `backend.RandomGenerator`
+    (`layer._random_generator`). By default ("legacy_stateful") it calls TF1
+    stateful random ops, whose state lives inside the op kernel: no
+    checkpoint can hold it, and a restarted process draws the first step's
+    numbers again. After `tf.keras.backend.experimental
+    .enable_tf_random_generator()` it holds a `tf.random.Generator` whose
+    state is a variable, but one that tf-keras leaves out of
+    `model.variables` and creates lazily at the first call; this creates
+    it (in the model's strategy scope, as the first call would) and returns
+    it.
+
+    Returns:
+        A list of state variables (empty under Keras 3).
+    """
+    if not IS_LEGACY:
+        return []
+    states = []
+    for layer in all_layers(model):
+        generator = getattr(layer, "_random_generator", None)
+        if getattr(generator, "_rng_type", None) != "stateful":
+            continue
+        with model.distribute_strategy.scope():
+            generator._maybe_init()
+        inner = getattr(generator, "_generator", None)
+        if inner is not None:
+            states.append(inner.state)
+    return states
 
 
 def shared_file_paths(callback):
@@ -507,6 +542,26 @@ def set_initial_step(model, epoch, step, kwargs):
         model._training_state = None
 
     return undo
+
+
+def end_epoch_before_step():
+    """Keras 3: ends the running epoch from `on_train_batch_begin`.
+
+    A resumed epoch has fewer batches than Keras 3's step count for it
+    (Keras 3 has no initial step; see `set_initial_step`), so Keras calls
+    the train function once more and that call fails at `get_next`
+    (OutOfRange), but only after the ops of the step that do not depend on
+    the data have run: the `SeedGenerator.next` state increment of every
+    random layer (Dropout, GaussianNoise, ...). Every later step then drew
+    other random numbers than the uninterrupted run (measured on Keras
+    3.15, MultiWorkerMirroredStrategy). Keras 3's loop (`fit` in
+    `backend/tensorflow/trainer.py`) runs the batch callbacks inside
+    `epoch_iterator.catch_stop_iteration()`, which takes a StopIteration as
+    the end of the data: the epoch ends without that call. tf-keras starts
+    the resumed epoch at its step and makes no extra call: nothing to do.
+    """
+    if not IS_LEGACY:
+        raise StopIteration
 
 
 # Keras 3 warns when a dataset ends before the epoch's step count; a resumed

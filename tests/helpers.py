@@ -108,12 +108,16 @@ class RecordIds(keras.layers.Layer):
         return x + zero
 
 
-def id_model(seen, seconds_per_row, steps_per_execution=1):
+def id_model(seen, seconds_per_row, steps_per_execution=1, augment=()):
     """A HeteroModel over {"x", "id"} inputs that records the ids it trains
-    on; build inside the strategy scope."""
+    on; build inside the strategy scope. `augment`: layers applied to x
+    first (random augmentation)."""
     x_in = keras.Input((FEATURES,), name="x")
     id_in = keras.Input((), dtype="int64", name="id")
-    slow = kh.testing.SimulatedSpeed(seconds_per_row)(x_in)
+    features = x_in
+    for layer in augment:
+        features = layer(features)
+    slow = kh.testing.SimulatedSpeed(seconds_per_row)(features)
     recorded = RecordIds(seen)([slow, id_in])
     model = kh.HeteroModel(
         {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded)

@@ -357,6 +357,13 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             self._examples_in_epoch = 0
 
     def on_train_batch_begin(self, batch, logs=None):
+        if (
+            not isinstance(self._dataset, ParameterServerInput)
+            and self._epoch_complete()
+        ):
+            # A resumed epoch whose data ran out: end it before Keras calls
+            # a step that has no batch (and moves the layers' seeds).
+            _compat.end_epoch_before_step()
         if self._pending_states is not None:
             # After the companions' own on_train_begin reset them.
             states, self._pending_states = self._pending_states, None

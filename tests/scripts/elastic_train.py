@@ -4,7 +4,9 @@ Run by `keras-hetero run` (MultiWorkerMirroredStrategy from TF_CONFIG) or
 directly (MirroredStrategy over two logical CPUs). Appends one JSON line per
 train step to `<out>/attempt<restart>-worker<task>.jsonl` with the global
 step and the example ids this worker's replicas trained on, and can kill or
-signal itself at a given step of the first attempt.
+signal itself: at the k-th step of `--fault-at` in attempt k (restarts are
+counted by KERAS_HETERO_RESTART), so one launcher job is killed several
+times. `--input` picks the input kind (tests/elastic_inputs.py).
 """
 
 import argparse
@@ -16,14 +18,15 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import elastic_inputs  # noqa: E402
 import helpers  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
+from keras_hetero import _compat  # noqa: E402
 from keras_hetero._compat import keras  # noqa: E402
 
-BATCH = 8
-ROWS = 80  # 10 global batches per epoch
+BATCH = 8  # 10 global batches per epoch of elastic_inputs.ROWS
 
 
 def main():
@@ -32,12 +35,29 @@ def main():
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--save-every", default="2")
-    parser.add_argument("--fault-at", type=int, default=0)
+    parser.add_argument(
+        "--fault-at",
+        default="0",
+        help="comma-separated steps: attempt k is killed at the k-th",
+    )
     parser.add_argument("--fault-worker", type=int, default=1)
     parser.add_argument("--fault", choices=["KILL", "TERM"], default="KILL")
     parser.add_argument("--stop-after", type=int, default=0)
     parser.add_argument("--attempt", type=int, default=None)
+    parser.add_argument(
+        "--input", choices=elastic_inputs.KINDS, default="plain"
+    )
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--sync-save", action="store_true")
+    parser.add_argument("--resize", default="keep_global_batch")
+    parser.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="worker 0 simulated 8x slower; a ShardRebalancer moves shares",
+    )
     args = parser.parse_args()
+    faults = [int(step) for step in args.fault_at.split(",") if step]
     multi_worker = "TF_CONFIG" in os.environ
     if not multi_worker:
         kh.testing.logical_cpus(2)
@@ -53,9 +73,19 @@ def main():
     if restart is None:
         restart = int(os.environ.get("KERAS_HETERO_RESTART", "0"))
     seen = []
+    if args.input == "augment" and _compat.IS_LEGACY:
+        # tf-keras' random layers draw with stateful TF1 ops by default,
+        # whose state is inside the op kernel (no checkpoint can hold it);
+        # with tf.random.Generator their state is a variable.
+        keras.backend.experimental.enable_tf_random_generator()
     keras.utils.set_random_seed(1)
+    augment = ()
+    if args.input == "augment":
+        augment = elastic_inputs.augment_layers(keras)
     with strategy.scope():
-        model = helpers.id_model(seen, 0.0)
+        model = helpers.id_model(
+            seen, [0.004, 0.0005] if args.rebalance else 0.0, augment=augment
+        )
     os.makedirs(args.out, exist_ok=True)
     prefix = os.path.join(args.out, f"attempt{restart}-worker{task}")
     if restart == 0 and task == 0:
@@ -65,14 +95,16 @@ def main():
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
-            records.write(json.dumps({"step": step, "ids": list(seen)}) + "\n")
+            loss = float((logs or {}).get("loss", float("nan")))
+            record = {"step": step, "ids": list(seen), "loss": loss}
+            records.write(json.dumps(record) + "\n")
             records.flush()
             os.fsync(records.fileno())
             seen.clear()
             if (
-                restart == 0
+                restart < len(faults)
                 and task == args.fault_worker
-                and step == args.fault_at
+                and step == faults[restart]
             ):
                 number = getattr(signal, "SIG" + args.fault)
                 os.kill(os.getpid(), number)
@@ -85,12 +117,36 @@ def main():
 
     save_every = args.save_every
     save_every = int(save_every) if save_every.isdigit() else save_every
-    ckpt = kh.callbacks.ElasticCheckpoint(args.ckpt, save_every=save_every)
-    data = kh.data.shard(helpers.id_examples(ROWS), BATCH, strategy=strategy)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        args.ckpt,
+        save_every=save_every,
+        async_save=not args.sync_save,
+        resize=args.resize,
+    )
     callbacks = [ckpt, Record()]
     if args.stop_after:
         callbacks.append(StopAfter())
-    model.fit(data, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    fit = dict(epochs=args.epochs, verbose=0, callbacks=callbacks)
+    if args.input == "arrays":
+        # Keras' default shuffle=True: `fit` shards the arrays, with a seed
+        # drawn when training starts (or the checkpoint's).
+        x, y = elastic_inputs.arrays()
+        model.fit(x, y, batch_size=args.batch, shuffle=True, **fit)
+    else:
+        data = elastic_inputs.dataset(
+            args.input, args.batch, strategy, args.data_dir
+        )
+        if args.rebalance:
+            callbacks.append(
+                kh.callbacks.ShardRebalancer(
+                    data,
+                    every_n_steps=3,
+                    warmup_steps=1,
+                    window=3,
+                    tolerance=0.0,
+                )
+            )
+        model.fit(data, **fit)
     if task == 0:
         np.savez(prefix + "-final.npz", *model.get_weights())
     print(
