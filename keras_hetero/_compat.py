@@ -438,6 +438,27 @@ def random_generator_states(model):
     return states
 
 
+def unsaved_random_layers(model):
+    """tf-keras: names of the layers whose random state no checkpoint holds.
+
+    Those are the layers drawing through TF1 stateful random ops, tf-keras'
+    default (`backend.RandomGenerator` with rng type "legacy_stateful"; see
+    `random_generator_states`): a restarted process draws the first step's
+    numbers again. Keras 3 keeps every random layer's state in a variable.
+
+    Returns:
+        A list of layer names (empty under Keras 3).
+    """
+    if not IS_LEGACY:
+        return []
+    return [
+        layer.name
+        for layer in all_layers(model)
+        if getattr(getattr(layer, "_random_generator", None), "_rng_type", None)
+        == "legacy_stateful"
+    ]
+
+
 def shared_file_paths(callback):
     """The paths a Keras callback writes on every worker, by attribute.
 

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
+from keras_hetero import _compat
 from keras_hetero import checkpointing
 from keras_hetero._compat import keras
 
@@ -489,3 +490,64 @@ def test_seeded_reshuffle_before_a_cache_is_exact():
     ]
     after = kh.data.shard(_examples().cache().shuffle(ROWS, seed=1), BATCH)
     assert [s.op for s in after.unreproducible_stages()] == ["ShuffleDatasetV3"]
+
+
+def _dropout_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((helpers.FEATURES,))
+    hidden = keras.layers.Dropout(0.5, name="drop")(inputs)
+    model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+@pytest.fixture
+def tf_random_generator():
+    """tf-keras' random layers draw from `tf.random.Generator`s (a global
+    switch, put back afterwards). Keras 3 has no such switch."""
+    if not _compat.IS_LEGACY:
+        yield
+        return
+    experimental = keras.backend.experimental
+    enabled = experimental.is_tf_random_generator_enabled()
+    experimental.enable_tf_random_generator()
+    yield
+    if not enabled:
+        experimental.disable_tf_random_generator()
+
+
+@pytest.mark.skipif(
+    not _compat.IS_LEGACY, reason="Keras 3 checkpoints every random state"
+)
+def test_tf_keras_stateful_random_layers_are_refused(tmp_path):
+    data = kh.data.shard(_examples(), BATCH)
+    model = _dropout_model()
+    counter = CountSteps()
+    with pytest.raises(ValueError, match="enable_tf_random_generator") as e:
+        model.fit(
+            data,
+            epochs=1,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), counter],
+        )
+    assert "'drop'" in str(e.value)
+    assert counter.steps == 0
+    assert checkpointing.newest_valid(str(tmp_path)) is None
+    checkpoint = kh.callbacks.ElasticCheckpoint(
+        tmp_path, approximate_resume=True
+    )
+    steps, ours = _fit(model, data, checkpoint)
+    assert steps == ROWS // BATCH
+    assert len(ours) == 1 and "'drop'" in str(ours[0].message)
+
+
+def test_random_layers_with_saved_state_are_accepted(
+    tmp_path, tf_random_generator
+):
+    # Keras 3 always; tf-keras with `enable_tf_random_generator()`.
+    data = kh.data.shard(_examples(), BATCH)
+    steps, ours = _fit(
+        _dropout_model(), data, kh.callbacks.ElasticCheckpoint(tmp_path)
+    )
+    assert steps == ROWS // BATCH
+    assert ours == []

@@ -138,7 +138,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self.exit_on_signal = bool(exit_on_signal)
         self.signals = tuple(signals)
         self.approximate_resume = bool(approximate_resume)
-        self._warned_approximate = False
+        self._warned_approximate = set()
         _check_directory(self.directory, write=_chief_from_env())
         self._writer = None
         self._error = None
@@ -172,29 +172,51 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         if not stages:
             return
         names = reproducibility.describe(stages)
+        self._refuse_or_warn(
+            "its examples (the `tf.data.Dataset` given to `kh.data.shard`) "
+            "have stages whose order or values a restarted process would "
+            "not reproduce, so a resumed epoch would skip the wrong examples "
+            f"(or draw other random numbers):\n{names}",
+            "these input stages are not reproduced by a restart:\n"
+            f"{names}\nA resumed epoch skips as many examples as were "
+            "trained before the restart, but not the same ones: until the "
+            "epoch ends some examples are trained twice and others not at "
+            "all.",
+        )
+
+    def _check_random_layers(self, model):
+        layers = ", ".join(map(repr, _compat.unsaved_random_layers(model)))
+        if not layers:
+            return
+        self._refuse_or_warn(
+            f"its random layers ({layers}) draw with TF1 stateful random "
+            "ops (tf-keras' default), whose state no checkpoint can hold: a "
+            "restarted process would draw the first step's numbers again. "
+            "Fix: call "
+            "`tf.keras.backend.experimental.enable_tf_random_generator()` "
+            "before building the model (the layers then draw from "
+            "`tf.random.Generator`s, whose states the checkpoint holds).",
+            f"the random layers {layers} draw other numbers after a restart "
+            "than the uninterrupted run would (TF1 stateful random ops); "
+            "every example is still trained once per epoch.",
+        )
+
+    def _refuse_or_warn(self, problem, approximation):
+        """Raises a ValueError naming `problem`, or with
+        `approximate_resume` warns `approximation` once per kind."""
         if not self.approximate_resume:
             raise ValueError(
-                "ElasticCheckpoint cannot resume this input exactly: its "
-                "examples (the `tf.data.Dataset` given to `kh.data.shard`) "
-                "have stages whose order or values a restarted process "
-                "would not reproduce, so a resumed epoch would skip the "
-                "wrong examples (or draw other random numbers):\n"
-                f"{names}\nOr pass "
-                "`ElasticCheckpoint(..., approximate_resume=True)` to accept "
-                'an approximate resume (docs/checkpoints.md, "Input '
+                f"ElasticCheckpoint cannot resume this run exactly: {problem}"
+                "\nOr pass `ElasticCheckpoint(..., approximate_resume=True)` "
+                'to accept an approximate resume (docs/checkpoints.md, "Input '
                 'pipelines and exact resume").'
             )
-        if not self._warned_approximate:
-            self._warned_approximate = True
+        if approximation not in self._warned_approximate:
+            self._warned_approximate.add(approximation)
             warnings.warn(
-                "ElasticCheckpoint(approximate_resume=True): these input "
-                "stages are not reproduced by a restart:\n"
-                f"{names}\nA resumed epoch skips as many examples as were "
-                "trained before the restart, but not the same ones: until "
-                "the epoch ends some examples are trained twice and others "
-                "not at all.",
+                "ElasticCheckpoint(approximate_resume=True): " + approximation,
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _restore(self, model, kwargs):
@@ -203,6 +225,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         Returns:
             A function that undoes `fit` argument changes afterwards.
         """
+        self._check_random_layers(model)
         self._chief = _distribute.is_chief(model.distribute_strategy)
         self._reset_counters()
         # Pass number of the first epoch of this `fit` (the shuffle order of
