@@ -33,7 +33,9 @@ global batch `--batch`, under the default strategy (one replica), no model:
 - arrays: the `HeteroDataset` `fit` makes from numpy arrays, `shuffle=None`
   and `True` (a numpy permutation per epoch, one gather per batch);
 - Arrow: `kh.data.from_arrow` over Parquet (`--files` files, row groups of
-  10,000 rows) through `kh.data.shard`, `shuffle=None`, `True` and `10_000`.
+  10,000 rows) through `kh.data.shard`, `shuffle=None`, `True` (the pass
+  converted whole, then permuted), `True` through tf.data's buffer of the
+  pass (what it did before) and `10_000`.
 
 For each: examples/s of one whole pass (`Dataset.reduce` over
 `as_distributed_dataset()`), and the time from "start the pass resumed
@@ -205,11 +207,16 @@ def shuffle_variants(x, y, parquet_directory):
 
         return make
 
-    def arrow(shuffle):
+    def arrow(shuffle, buffered=False):
         def make(batch):
             examples = kh.data.from_arrow(
                 parquet_directory, "x", label="y", shapes={"y": (1,)}
             )
+            if buffered:
+                # A plain tf.data.Dataset (`take` keeps every example):
+                # `shuffle=True` then takes tf.data's buffer of the pass, as
+                # it did before from_arrow shuffled a pass itself.
+                examples = examples.take(len(x))
             return kh.data.shard(
                 examples, batch, shuffle=shuffle, seed=SHUFFLE_SEED
             )
@@ -227,7 +234,12 @@ def shuffle_variants(x, y, parquet_directory):
         "arrays (fit), shuffle=None": arrays(None),
         "arrays (fit), shuffle=True": arrays(True),
         "Arrow (Parquet), shuffle=None": arrow(None),
-        "Arrow (Parquet), shuffle=True (buffer of the pass)": arrow(True),
+        "Arrow (Parquet), shuffle=True (whole pass converted, permuted)": (
+            arrow(True)
+        ),
+        "Arrow (Parquet), shuffle=True (tf.data buffer of the pass)": arrow(
+            True, buffered=True
+        ),
         "Arrow (Parquet), shuffle=10_000 (buffer)": arrow(10_000),
     }
 

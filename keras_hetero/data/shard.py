@@ -583,6 +583,8 @@ def _shuffled(source, shuffle, seed):
     makes the order a function of `seed` alone.
     """
     tf.random.set_seed(_GRAPH_SEED)
+    if shuffle is True and hasattr(source.examples, "shuffled_pass"):
+        return source.examples.shuffled_pass(seed)  # `kh.data.from_arrow`
     if shuffle is True and source.random_access:
         return _compat.global_shuffle(source.examples, seed)
     buffer = source.num_examples if shuffle is True else shuffle
