@@ -786,14 +786,16 @@ def supports_random_access(examples):
     There is no public query; the op refuses unsupported upstream stages
     (`filter`, `shuffle`, `unbatch`, `from_generator`, `TFRecordDataset`,
     ...) with a `FailedPreconditionError` when its iterator starts, or at
-    the first element (`enumerate`), so we start one and read one element
-    (which runs the upstream stages for that element once).
+    the first element (`enumerate`; an upstream stage of unknown length
+    under `take`: `InvalidArgumentError`), so we start one and read one
+    element (which runs the upstream stages for that element once).
     """
     with tf.init_scope():  # also when called while a pipeline is traced
         try:
             next(iter(global_shuffle(examples, 0)))
         except (
             tf.errors.FailedPreconditionError,
+            tf.errors.InvalidArgumentError,
             tf.errors.UnimplementedError,
         ):
             return False

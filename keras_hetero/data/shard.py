@@ -568,14 +568,17 @@ def _shuffled(source, shuffle, seed):
     """The examples of `source` (a `_DatasetSource`) in the order of one
     shuffled pass.
 
-    `shuffle=True` over examples that support random access (see
-    `_DatasetSource.random_access`) is tf.data's global shuffle: a pure
-    function of `seed`, with no buffer, so the pass starts at once and
-    `.skip(k)` fetches only the k indices' examples it skips, at about
-    1.5 us each (benchmarks/input.py, docs/benchmarks.md: 0.7 s instead of
-    3 s to resume in the middle of 10^6 examples). Other examples, and a
-    buffer size, go through `Dataset.shuffle`, whose `.skip(k)` reads the
-    whole buffer (with `True`: the whole pass) before the first example.
+    Chosen by measurement (benchmarks/input.py --mode shuffle,
+    docs/checkpoints.md): `shuffle=True` over `kh.data.from_arrow` examples
+    converts the pass whole and permutes it (`shuffled_pass`: the skipped
+    examples of a resumed pass are only indices). Over examples that
+    support random access (`_DatasetSource.random_access`) it is tf.data's
+    global shuffle, a pure function of `seed` with no buffer: for 10^6
+    examples a pass starts in 0.17 s instead of 3.7 s, resumes after
+    500,000 of them 4.6x sooner (`.skip` still fetches each skipped
+    example, but fills no buffer) and runs 2.4x faster. Other examples,
+    and a buffer size, go through `Dataset.shuffle`, whose `.skip(k)`
+    fills the buffer (with `True`: the whole pass) and reads k examples.
 
     tf.data's shuffles seed themselves from the graph-level seed too, which
     is the process's global seed (`tf.random.set_seed`) and may differ
@@ -677,8 +680,9 @@ def shard(
             a buffer of that many examples, as `tf.data.Dataset.shuffle`
             does. `True`: shuffle the whole pass (their number must be
             known): by random access (tf.data's global shuffle, no
-            buffer) if the examples support it, else through a buffer of
-            all examples. Defaults to `None`.
+            buffer) if the examples support it, `kh.data.from_arrow`
+            examples converted whole and permuted, others through a
+            buffer of all examples. Defaults to `None`.
         seed: The shuffle seed (an int >= 0). Defaults to `None`: one is
             drawn when training starts, from numpy's global random state
             (so `keras.utils.set_random_seed` fixes it) on the first
