@@ -127,10 +127,15 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         resize: What a restart with another global batch size does; see
             `kh.callbacks.ElasticCheckpoint`. Defaults to
             `"keep_global_batch"`.
+        approximate_resume: Accept input stages a restart cannot
+            reproduce (warn once instead of refusing them); see
+            `kh.callbacks.ElasticCheckpoint`. Defaults to `False`.
 
     Raises:
         ValueError: If `save_every` is not a positive number of steps, or
-            for a bad `keep` or `resize`.
+            for a bad `keep` or `resize`; from `fit`, as
+            `kh.callbacks.ElasticCheckpoint`, for input a restart cannot
+            reproduce.
         RuntimeError: If `fit` runs outside a Ray Train worker.
 
     Example:
@@ -145,7 +150,14 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
     ...         kh.ray.ElasticCheckpoint(save_every=50)])
     """
 
-    def __init__(self, save_every=100, keep=1, *, resize="keep_global_batch"):
+    def __init__(
+        self,
+        save_every=100,
+        keep=1,
+        *,
+        resize="keep_global_batch",
+        approximate_resume=False,
+    ):
         check_int(
             "save_every",
             save_every,
@@ -159,6 +171,7 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
             async_save=False,
             resize=resize,
             exit_on_signal=False,
+            approximate_resume=approximate_resume,
         )
         self._since_report = 0
 

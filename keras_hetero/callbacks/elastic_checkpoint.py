@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from keras_hetero import _distribute
 from keras_hetero import checkpointing
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.data import reproducibility
 
 logger = logging.getLogger("keras_hetero")
 
@@ -51,9 +53,17 @@ class ElasticCheckpoint(keras.callbacks.Callback):
     after the restart: shuffle with `kh.data.shard(..., shuffle=...)` or
     pass numpy arrays (`fit` shards them): the checkpoint holds the shuffle
     seed and the pass, and the resumed epoch takes the order it had (the
-    checkpoint's seed wins over a new one). A `tf.data` shuffle of your own
-    needs a fixed seed and `reshuffle_each_iteration=False`. Metrics of the
-    resumed epoch cover its remaining steps.
+    checkpoint's seed wins over a new one). Before the first step it reads
+    the examples' own tf.data pipeline and refuses stages whose order or
+    values a restarted process would not reproduce: a shuffle that
+    reshuffles every epoch (tf.data's default) or has no seed,
+    `deterministic=False`, unseeded random ops and random state kept in
+    variables (`tf.random.Generator`, Keras random layers) in its
+    functions, `tf.data.Options(deterministic=False)`; see
+    docs/checkpoints.md for the table and the fix for each. Python stages
+    (`from_generator`, `py_function`) cannot be inspected: they must
+    produce the same examples in the same order in every process. Metrics
+    of the resumed epoch cover its remaining steps.
 
     Args:
         directory: Where checkpoints go; created if missing.
@@ -75,10 +85,21 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             `PREEMPTED_EXIT_CODE` when `fit` returns. Defaults to `True`.
         signals: Signals that trigger save-and-stop. Defaults to SIGTERM and
             SIGINT (a second SIGINT interrupts at once).
+        approximate_resume: Accept input stages that a restart cannot
+            reproduce (see above): `fit` then warns once, naming them, and
+            trains. A resumed epoch still skips as many examples as were
+            trained before the restart, but in another order they are not
+            the same examples: until the epoch ends some of its examples
+            are trained twice and others not at all (later epochs see each
+            example once), and random augmentation draws other numbers
+            than the uninterrupted run. Defaults to `False` (refuse them).
 
     Raises:
         ValueError: For an unwritable `directory`, a bad `save_every`,
-            `mtbf` or `resize`, or `keep` < 1.
+            `mtbf` or `resize`, or `keep` < 1; and from `fit`, before the
+            first step, if the examples of the `kh.data.HeteroDataset`
+            have a stage a restart cannot reproduce (the message names each
+            stage and its fix) and `approximate_resume` is False.
 
     Example:
 
@@ -99,6 +120,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         resize="keep_global_batch",
         exit_on_signal=True,
         signals=(signal.SIGTERM, signal.SIGINT),
+        approximate_resume=False,
     ):
         super().__init__()
         self.save_every = checkpointing.parse_save_every(save_every)
@@ -115,6 +137,8 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self.async_save = bool(async_save)
         self.exit_on_signal = bool(exit_on_signal)
         self.signals = tuple(signals)
+        self.approximate_resume = bool(approximate_resume)
+        self._warned_approximate = False
         _check_directory(self.directory, write=_chief_from_env())
         self._writer = None
         self._error = None
@@ -130,11 +154,48 @@ class ElasticCheckpoint(keras.callbacks.Callback):
     # --- what HeteroModel.fit calls ----------------------------------------
 
     def _attach(self, dataset, callbacks):
-        """Called by `HeteroModel.fit` with its dataset and callbacks."""
+        """Called by `HeteroModel.fit` with its dataset and callbacks.
+
+        Raises:
+            ValueError: If the dataset's examples cannot be resumed exactly
+                and `approximate_resume` is False.
+        """
+        self._check_reproducible(dataset)
         self._dataset = dataset
         self._companions = [
             c for c in callbacks if c is not self and hasattr(c, "get_state")
         ]
+
+    def _check_reproducible(self, dataset):
+        find = getattr(dataset, "unreproducible_stages", None)
+        stages = [] if find is None else find()
+        if not stages:
+            return
+        names = reproducibility.describe(stages)
+        if not self.approximate_resume:
+            raise ValueError(
+                "ElasticCheckpoint cannot resume this input exactly: its "
+                "examples (the `tf.data.Dataset` given to `kh.data.shard`) "
+                "have stages whose order or values a restarted process "
+                "would not reproduce, so a resumed epoch would skip the "
+                "wrong examples (or draw other random numbers):\n"
+                f"{names}\nOr pass "
+                "`ElasticCheckpoint(..., approximate_resume=True)` to accept "
+                'an approximate resume (docs/checkpoints.md, "Input '
+                'pipelines and exact resume").'
+            )
+        if not self._warned_approximate:
+            self._warned_approximate = True
+            warnings.warn(
+                "ElasticCheckpoint(approximate_resume=True): these input "
+                "stages are not reproduced by a restart:\n"
+                f"{names}\nA resumed epoch skips as many examples as were "
+                "trained before the restart, but not the same ones: until "
+                "the epoch ends some examples are trained twice and others "
+                "not at all.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _restore(self, model, kwargs):
         """Loads the newest valid checkpoint into `model` before `fit`.

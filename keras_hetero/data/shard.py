@@ -2,6 +2,7 @@
 
 import copy
 import threading
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -9,6 +10,7 @@ import tensorflow as tf
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
+from keras_hetero.data import reproducibility
 from keras_hetero.data import shares as shares_lib
 
 # The graph-level seed of the function that shuffles one pass (see
@@ -315,6 +317,34 @@ class HeteroDataset:
             dataset = dataset.with_options(self._options)
         return dataset
 
+    def unreproducible_stages(self):
+        """The stages of the examples whose order or values a restart (or
+        another worker) cannot reproduce: `[]` for arrays and
+        `kh.data.from_arrow` input, which keep their order.
+
+        `kh.callbacks.ElasticCheckpoint` refuses a dataset with any (before
+        the first step); `kh.data.shard` under several workers refuses
+        those whose order may differ between workers (`across_workers`).
+        A pipeline that cannot be inspected (more than 2 GB of captured
+        constants) gives a warning and `[]`.
+
+        Returns:
+            A list of `keras_hetero.data.reproducibility.Stage`, each with
+            the stage, its op, the function it runs in, the problem and the
+            fix (see docs/checkpoints.md, "Input pipelines and exact
+            resume").
+
+        Example:
+
+        >>> examples = tf.data.Dataset.range(8).map(lambda i: (i, i))
+        >>> ds = shard(examples.shuffle(8, seed=1), global_batch_size=4)
+        >>> [stage.op for stage in ds.unreproducible_stages()]
+        ['ShuffleDatasetV3']
+        """
+        # Sources we build (arrays) keep their order by construction.
+        stages = getattr(self._source, "unreproducible_stages", None)
+        return [] if stages is None else stages()
+
     # --- tf.data methods --------------------------------------------------
 
     def with_options(self, options, name=None):
@@ -577,9 +607,9 @@ def _shuffled(source, shuffle, seed):
     examples a pass starts 17-21x sooner than through a buffer of the
     pass, resumes after 500,000 of them 1.6-4.6x sooner (`.skip` still
     fetches each skipped example, but fills no buffer) and runs 1.9-2.4x
-    faster. Other examples,
-    and a buffer size, go through `Dataset.shuffle`, whose `.skip(k)`
-    fills the buffer (with `True`: the whole pass) and reads k examples.
+    faster. Other examples, and a buffer size, go through
+    `Dataset.shuffle`, whose `.skip(k)` fills the buffer (with `True`: the
+    whole pass) and reads k examples.
 
     tf.data's shuffles seed themselves from the graph-level seed too, which
     is the process's global seed (`tf.random.set_seed`) and may differ
@@ -605,6 +635,7 @@ class _DatasetSource:
         count = int(examples.cardinality())
         self.num_examples = None if count < 0 else count
         self._random_access = None
+        self._stages = None
 
     @property
     def random_access(self):
@@ -616,6 +647,25 @@ class _DatasetSource:
 
     def cache(self, filename):
         return _DatasetSource(self.examples.cache(filename))
+
+    def unreproducible_stages(self):
+        if self._stages is None:  # the pipeline never changes
+            try:
+                self._stages = reproducibility.unreproducible_stages(
+                    self.examples
+                )
+            except ValueError as error:
+                # Not a reason to refuse input that may well be fine.
+                warnings.warn(
+                    f"{error} Exact resume and multi-worker training need "
+                    "the examples in the same order in every process; make "
+                    'sure they are (docs/checkpoints.md, "Input pipelines '
+                    'and exact resume").',
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self._stages = []
+        return list(self._stages)
 
     def pass_batches(self, start_pass, global_batch_size, shuffle):
         """One pass's global batches (traced once, run at each pass)."""
@@ -655,7 +705,14 @@ def shard(
 
     In multi-worker jobs every worker reads the whole example stream and keeps
     its own rows, so `examples` must produce the same order on every worker:
-    shuffle with `shuffle=` here (or seed your own shuffle).
+    shuffle with `shuffle=` here (or seed your own shuffle). Under more than
+    one worker (not ParameterServerStrategy, whose workers do not split
+    batches) `shard` reads the examples' tf.data pipeline and refuses stages
+    whose order may differ between workers: a shuffle or `Dataset.random`
+    without a seed (nor `tf.random.set_seed`), `deterministic=False` in a
+    parallel `map` / `interleave` / `batch` or in `tf.data.Options`, an
+    unseeded random op in a `filter`. On one worker nothing is checked here
+    (`kh.callbacks.ElasticCheckpoint` checks what a restart needs).
 
     With `shuffle`, each pass over the examples (an epoch) has its own
     order, a function of `(seed, pass)` only: the same on every worker, and
@@ -698,7 +755,9 @@ def shard(
             number of replicas, `shares` is not one finite, non-negative
             number per replica with a positive sum, `shuffle` is not None,
             a bool or a positive int (or `True` with an unknown number of
-            examples), or `seed` is not None or an int >= 0.
+            examples), or `seed` is not None or an int >= 0; under more than
+            one worker, if a stage of `examples` may give each worker
+            another order (the message names it and the fix).
 
     Example:
 
@@ -736,7 +795,7 @@ def shard(
         )
     shuffle = check_shuffle(shuffle, examples)
     seed = check_seed(seed)
-    return HeteroDataset(
+    dataset = HeteroDataset(
         examples,
         int(global_batch_size),
         strategy,
@@ -745,6 +804,34 @@ def shard(
         shuffle=shuffle,
         seed=seed,
     )
+    _check_same_order_on_workers(dataset)
+    return dataset
+
+
+def _check_same_order_on_workers(dataset):
+    """Refuses examples whose order may differ between workers.
+
+    Every worker reads the whole example stream and keeps its replicas' rows
+    of each global batch, so two workers that see another order lose some
+    examples and train others twice, at every step. (ParameterServerStrategy
+    workers each train whole batches of their own stream: no split.)
+    """
+    strategy = dataset.strategy
+    if _distribute.is_parameter_server(strategy):
+        return
+    if _distribute.num_workers(strategy) < 2:
+        return
+    stages = [s for s in dataset.unreproducible_stages() if s.across_workers]
+    if stages:
+        raise ValueError(
+            "Invalid value for argument `examples`: under "
+            f"{type(strategy).__name__} with "
+            f"{_distribute.num_workers(strategy)} workers every worker reads "
+            "all examples and keeps its rows of each global batch, so they "
+            "must come out in the same order on every worker. These stages "
+            "may give each worker another order (some examples would be "
+            "trained twice, others never):\n" + reproducibility.describe(stages)
+        )
 
 
 def check_shuffle(shuffle, examples):
