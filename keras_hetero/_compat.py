@@ -838,6 +838,48 @@ def array_class_weights(y, sample_weight, class_weight):
     return _data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
 
 
+def global_shuffle(examples, seed):
+    """`examples` in a random-access shuffled order: a function of `seed`
+    (and the graph-level seed) only.
+
+    tf.data's global shuffle (TF >= 2.15) maps output position `j` to input
+    index `perm(j)` without a buffer; it is public only as the private
+    `global_shuffle_op._global_shuffle` in TF 2.19-2.21 (TODO(b/325112575)
+    upstream: "Move the API to dataset_ops.py"). Its order is the same on
+    TF 2.19 and 2.21 (measured). It needs every upstream stage to support
+    random access (`supports_random_access`).
+    """
+    from tensorflow.python.data.experimental.ops import global_shuffle_op
+
+    return global_shuffle_op._global_shuffle(
+        examples, seed=seed, reshuffle_each_iteration=False
+    )
+
+
+def supports_random_access(examples):
+    """Whether `global_shuffle(examples, ...)` can run.
+
+    There is no public query; the op refuses unsupported upstream stages
+    (`filter`, `shuffle`, `unbatch`, `from_generator`, `TFRecordDataset`,
+    ...) with a `FailedPreconditionError` when its iterator starts, or at
+    the first element (`enumerate`; an upstream stage of unknown length
+    under `take`: `InvalidArgumentError`), so we start one and read one
+    element (which runs the upstream stages for that element once).
+    """
+    with tf.init_scope():  # also when called while a pipeline is traced
+        try:
+            next(iter(global_shuffle(examples, 0)))
+        except (
+            tf.errors.FailedPreconditionError,
+            tf.errors.InvalidArgumentError,
+            tf.errors.UnimplementedError,
+        ):
+            return False
+        except (StopIteration, tf.errors.OutOfRangeError):
+            pass  # no examples: nothing to read
+    return True
+
+
 class _KnownLength(tf.data.Dataset):
     """`dataset` whose `cardinality()` reports `length` (see
     `with_known_length`)."""

@@ -161,6 +161,53 @@ def test_resume_skips_whole_files_and_row_groups_without_reading(tmp_path):
     assert examples.skip(40).cardinality() == 50
 
 
+def _pass_ids(strategy, data):
+    return [
+        i
+        for batch in data.as_distributed_dataset()
+        for features, _ in strategy.experimental_local_results(batch)
+        for i in features["id"].numpy().tolist()
+    ]
+
+
+def test_shuffled_passes_are_seeded_permutations_resumed_in_order(tmp_path):
+    # shard(shuffle=True) over from_arrow: each pass a permutation of
+    # (seed, pass), converted whole once; a resumed pass skips indices.
+    _write_parquet(tmp_path / "data", _table(90), row_group_rows=10)
+    strategy = helpers.mirrored(DEVICES[:2])
+
+    def shuffled(seed):
+        return kh.data.shard(
+            _id_examples(tmp_path / "data"),
+            8,
+            strategy=strategy,
+            shares=[3, 1],
+            shuffle=True,
+            seed=seed,
+        )
+
+    data = shuffled(5)
+    passes = [_pass_ids(strategy, data) for _ in range(3)]
+    for ids in passes:
+        assert sorted(ids) == list(range(90))
+    assert passes[0] != list(range(90))
+    assert passes[0] != passes[1] != passes[2] != passes[0]
+    resumed = shuffled(99)  # a new process: the checkpoint's seed wins
+    resumed.resume_after(43, pass_number=1, seed=5)
+    assert _pass_ids(strategy, resumed) == passes[1][43:]
+    assert _pass_ids(strategy, resumed) == passes[2]
+    # Skipped or shuffled before shard: tf.data's shuffle of what is left.
+    skipped = kh.data.shard(
+        _id_examples(tmp_path / "data").skip(10), 8, shuffle=True, seed=5
+    )
+    left = [
+        i
+        for features, _ in skipped.as_distributed_dataset()
+        for i in features["id"].numpy().tolist()
+    ]
+    assert sorted(left) == list(range(10, 90)) and left != sorted(left)
+
+
 def test_tables_readers_directories_globs_lists_and_ipc_agree(tmp_path):
     table = _table(50)
     paths = _write_parquet(tmp_path / "data", table, files=2)

@@ -133,8 +133,18 @@ def _pass_ids(strategy, dataset):
     ]
 
 
-def _shuffled(strategy, shuffle, seed, rows=helpers.ROWS):
+def _without_random_access(examples):
+    # `filter` does not support random access (tf.data's global shuffle
+    # refuses it): `shuffle=True` then takes a buffer of the whole pass.
+    return examples.filter(lambda *example: True).apply(
+        tf.data.experimental.assert_cardinality(int(examples.cardinality()))
+    )
+
+
+def _shuffled(strategy, shuffle, seed, rows=helpers.ROWS, source=None):
     ids = tf.data.Dataset.from_tensor_slices(np.arange(rows, dtype="int64"))
+    if source == "buffer":
+        ids = _without_random_access(ids)
     return kh.data.shard(
         ids,
         helpers.GLOBAL_BATCH,
@@ -165,20 +175,60 @@ def test_shuffle_gives_each_pass_its_own_seeded_order(shuffle):
         assert all(row < k + 20 for k, row in enumerate(passes[0]))
 
 
-def test_resume_after_repeats_the_interrupted_pass_order():
+@pytest.mark.parametrize("source", ["random-access", "buffer"])
+def test_resume_after_repeats_the_interrupted_pass_order(source):
     strategy = helpers.mirrored(DEVICES[:2])
-    dataset = _shuffled(strategy, True, seed=3)
+    dataset = _shuffled(strategy, True, seed=3, source=source)
     passes = [_pass_ids(strategy, dataset) for _ in range(3)]
+    for ids in passes:
+        assert sorted(ids) == list(range(helpers.ROWS))
+    assert passes[0] != passes[1] != list(range(helpers.ROWS))
     # A new process resumes pass 2 after 20 of its examples, with the
     # checkpoint's seed (its own would differ).
-    resumed = _shuffled(strategy, True, seed=99)
+    resumed = _shuffled(strategy, True, seed=99, source=source)
     resumed.resume_after(20, pass_number=2, seed=3)
     assert _pass_ids(strategy, resumed) == passes[2][20:]
     assert resumed.next_pass == 3
     # It then counts on: its pass 3 is pass 3 of seed 3 everywhere.
-    check = _shuffled(strategy, True, seed=3)
+    check = _shuffled(strategy, True, seed=3, source=source)
     check.resume_after(0, pass_number=3)
     assert _pass_ids(strategy, resumed) == _pass_ids(strategy, check)
+
+
+@pytest.mark.parametrize("source", ["random-access", "buffer"])
+def test_resumed_whole_pass_shuffle_reads_only_what_it_skips(source):
+    # shuffle=True over random-access examples (tf.data's global shuffle)
+    # starts a resumed pass after fetching the skipped examples only; a
+    # shuffle buffer reads the whole pass first.
+    rows, skip = 1000, 100
+    reads = []
+
+    def read(i):
+        reads.append(int(i))
+        return i
+
+    ids = tf.data.Dataset.from_tensor_slices(np.arange(rows, dtype="int64"))
+    ids = ids.map(lambda i: tf.numpy_function(read, [i], tf.int64))
+    if source == "buffer":
+        ids = _without_random_access(ids)
+    data = kh.data.shard(ids, helpers.GLOBAL_BATCH, shuffle=True, seed=4)
+    data.resume_after(skip, pass_number=0)
+    iterator = iter(data.as_distributed_dataset())
+    first = np.asarray(next(iterator)).tolist()
+    read_before_first = len(reads)
+    rest = [i for batch in iterator for i in np.asarray(batch).tolist()]
+    normal = kh.data.shard(ids, helpers.GLOBAL_BATCH, shuffle=True, seed=4)
+    order = [
+        i
+        for batch in normal.as_distributed_dataset()
+        for i in np.asarray(batch).tolist()
+    ]
+    assert sorted(order) == list(range(rows))
+    assert first + rest == order[skip:]
+    if source == "buffer":
+        assert read_before_first >= rows
+    else:  # the skipped examples, the first batch, a few ahead, the probe
+        assert read_before_first <= skip + 4 * helpers.GLOBAL_BATCH + 1
 
 
 def test_without_seed_one_is_drawn_from_numpy_when_iterated():
@@ -274,16 +324,21 @@ def _batches(dataset, count):
     return [np.asarray(x) for x, _ in dataset.take(count).as_numpy_iterator()]
 
 
-@pytest.mark.parametrize("shuffle", [None, True])
+@pytest.mark.parametrize(
+    "shuffle", [None, True, "buffer"], ids=["none", "whole-pass", "buffer"]
+)
 def test_parameter_server_dataset_is_the_one_device_batch_stream(shuffle):
     # 72 examples in global batches of 16: 5 per pass (the last of 8 rows).
+    examples = helpers.examples()
+    if shuffle == "buffer":  # shuffle=True without random access
+        examples, shuffle = _without_random_access(examples), True
     seed = 5 if shuffle else None
     one_device = kh.data.shard(
-        helpers.examples(), 16, shuffle=shuffle, seed=seed
+        examples, 16, shuffle=shuffle, seed=seed
     ).as_distributed_dataset()
     expected = _batches(one_device, 5) + _batches(one_device, 5)
     stream = kh.data.shard(
-        helpers.examples(), 16, shuffle=shuffle, seed=seed
+        examples, 16, shuffle=shuffle, seed=seed
     ).parameter_server_dataset()
     got = _batches(stream, 10)
     for g, w in zip(got, expected, strict=True):

@@ -626,29 +626,52 @@ class _Stream:
                 parts.append({name: values[name] for name in part})
         return parts[0] if len(parts) == 1 else tuple(parts)
 
-    def _generate(self, skip):
-        skip = int(skip)
-        if skip < 0:  # tf.data: skip(-1) skips everything
-            return
+    def _converted(self, skip):
+        """`{name: values}` of each record batch from row `skip` on."""
         pa = _pyarrow()
         first_row = skip
         names = list(self.columns)
         batches = self.source.batches(skip, names, self.batch_rows)
         for batch in _in_pieces(batches, self.batch_rows):
-            values = {
+            yield {
                 name: _column_values(pa, batch.column(name), column, first_row)
                 for name, column in self.columns.items()
             }
-            yield self._nest(values)
             first_row += batch.num_rows
 
-    def dataset(self, skip):
+    def _generate(self, skip, seed):
+        skip, seed = int(skip), int(seed)
+        if skip < 0:  # tf.data: skip(-1) skips everything
+            return
+        if seed < 0:  # in order
+            for values in self._converted(skip):
+                yield self._nest(values)
+            return
+        # The whole pass, converted once, then taken in a permutation of
+        # `seed`: the skipped examples are only indices, and tf.data's
+        # per-example work covers the rest of the pass alone.
+        parts = list(self._converted(0))
+        values = {
+            name: np.concatenate([part[name] for part in parts])
+            for name in self.columns
+        }
+        del parts
+        rows = len(next(iter(values.values())))
+        order = np.random.default_rng(seed).permutation(rows)[skip:]
+        for start in range(0, len(order), self.batch_rows):
+            taken = order[start : start + self.batch_rows]
+            yield self._nest(
+                {name: value[taken] for name, value in values.items()}
+            )
+
+    def dataset(self, skip, seed=-1):
         skip = tf.cast(skip, tf.int64)
+        seed = tf.cast(seed, tf.int64)
         signature = self._nest(
             {name: column.spec for name, column in self.columns.items()}
         )
         batches = tf.data.Dataset.from_generator(
-            self._generate, output_signature=signature, args=(skip,)
+            self._generate, output_signature=signature, args=(skip, seed)
         )
         # One converted record batch waits while the previous one unbatches.
         examples = batches.prefetch(1).unbatch()
@@ -682,10 +705,11 @@ class _ArrowDataset(tf.data.Dataset):
     their footers' row counts without reading them.
     """
 
-    def __init__(self, stream, skip=0):
+    def __init__(self, stream, skip=0, seed=-1):
         self._stream = stream
         self._skip = skip
-        self._examples = stream.dataset(skip)
+        self._seed = seed
+        self._examples = stream.dataset(skip, seed)
         super().__init__(tf.data.experimental.to_variant(self._examples))
 
     def _inputs(self):
@@ -706,7 +730,30 @@ class _ArrowDataset(tf.data.Dataset):
         Returns:
             A dataset of the same examples without the first `count`.
         """
-        return _ArrowDataset(self._stream, _add_skips(self._skip, count))
+        return _ArrowDataset(
+            self._stream, _add_skips(self._skip, count), self._seed
+        )
+
+    def shuffled_pass(self, seed):
+        """The examples in a permutation of the pass that `seed` (an int or
+        int64 tensor >= 0) picks; `kh.data.shard(shuffle=True)` takes it.
+
+        The pass is read and converted whole (as a buffer of the pass
+        would hold it) when iteration starts, then handed on in the
+        permutation; `skip` after it costs no more than the read, since
+        the skipped examples are only indices.
+        """
+        if not (_is_constant(self._skip, 0) and _is_constant(self._seed, -1)):
+            # Skipped or shuffled already: shuffle what is left as tf.data
+            # would.
+            return self.shuffle(
+                self.cardinality(), seed=seed, reshuffle_each_iteration=False
+            )
+        return _ArrowDataset(self._stream, 0, seed)
+
+
+def _is_constant(value, constant):
+    return not tf.is_tensor(value) and value == constant
 
 
 def from_arrow(
@@ -746,7 +793,11 @@ def from_arrow(
     Memory is bounded by `batch_rows`, not by the data: about four record
     batches of `batch_rows` rows are alive at a time (one being read, one
     converted, one waiting, one being unbatched), plus a 1 MiB read buffer
-    per Parquet column. Arrow IPC files are memory-mapped.
+    per Parquet column. Arrow IPC files are memory-mapped. Under
+    `kh.data.shard(..., shuffle=True)` each pass is read and converted
+    whole into numpy arrays (what a shuffle buffer of the pass would hold),
+    then handed on in a permutation of the pass's seed, so a resumed pass
+    skips indices, not examples (docs/checkpoints.md).
 
     The row count is known from Parquet footers, IPC files and tables, and
     is the dataset's `cardinality()` (so `kh.data.shard` knows the number of

@@ -299,18 +299,13 @@ class HeteroDataset:
             )
         self._order.choose_seed(self.strategy)
         shuffle, seed = self.shuffling, self._order.seed
-        buffer = self.num_examples if shuffle is True else shuffle
 
         def one_pass(number):
             passed = examples
             if shuffle is not None:
-                # As in `_DatasetSource.pass_batches`: the order is then a
-                # function of the pass seed alone.
-                tf.random.set_seed(_GRAPH_SEED)
-                passed = passed.shuffle(
-                    buffer,
-                    seed=_tf_pass_seed(seed, number),
-                    reshuffle_each_iteration=False,
+                # As in `_DatasetSource.pass_batches`: the same order.
+                passed = _shuffled(
+                    self._source, shuffle, _tf_pass_seed(seed, number)
                 )
             return passed.batch(self.global_batch_size)
 
@@ -599,6 +594,39 @@ def _tf_pass_seed(seed, pass_number):
     return mixed % _SEED_MODULUS
 
 
+def _shuffled(source, shuffle, seed):
+    """The examples of `source` (a `_DatasetSource`) in the order of one
+    shuffled pass.
+
+    Chosen by measurement (benchmarks/input.py --mode shuffle,
+    docs/checkpoints.md): `shuffle=True` over `kh.data.from_arrow` examples
+    converts the pass whole and permutes it (`shuffled_pass`: the skipped
+    examples of a resumed pass are only indices). Over examples that
+    support random access (`_DatasetSource.random_access`) it is tf.data's
+    global shuffle, a pure function of `seed` with no buffer: for 10^6
+    examples a pass starts 17-21x sooner than through a buffer of the
+    pass, resumes after 500,000 of them 1.6-4.6x sooner (`.skip` still
+    fetches each skipped example, but fills no buffer) and runs 1.9-2.4x
+    faster. Other examples, and a buffer size, go through
+    `Dataset.shuffle`, whose `.skip(k)` fills the buffer (with `True`: the
+    whole pass) and reads k examples.
+
+    tf.data's shuffles seed themselves from the graph-level seed too, which
+    is the process's global seed (`tf.random.set_seed`) and may differ
+    between workers. Fixing the calling function's own graph-level seed
+    makes the order a function of `seed` alone.
+    """
+    tf.random.set_seed(_GRAPH_SEED)
+    if shuffle is True and hasattr(source.examples, "shuffled_pass"):
+        return source.examples.shuffled_pass(seed)  # `kh.data.from_arrow`
+    if shuffle is True and source.random_access:
+        return _compat.global_shuffle(source.examples, seed)
+    buffer = source.num_examples if shuffle is True else shuffle
+    return source.examples.shuffle(
+        buffer, seed=seed, reshuffle_each_iteration=False
+    )
+
+
 class _DatasetSource:
     """Examples from an unbatched `tf.data.Dataset`."""
 
@@ -606,7 +634,16 @@ class _DatasetSource:
         self.examples = examples
         count = int(examples.cardinality())
         self.num_examples = None if count < 0 else count
+        self._random_access = None
         self._stages = None
+
+    @property
+    def random_access(self):
+        """Whether the examples support random access (checked once, by
+        reading one example through tf.data's global shuffle)."""
+        if self._random_access is None:
+            self._random_access = _compat.supports_random_access(self.examples)
+        return self._random_access
 
     def cache(self, filename):
         return _DatasetSource(self.examples.cache(filename))
@@ -642,15 +679,7 @@ class _DatasetSource:
         info.set_shape([2])
         examples = self.examples
         if shuffle is not None:
-            # tf.data's shuffle seeds itself from the graph-level seed too,
-            # which is the process's global seed (`tf.random.set_seed`) and
-            # may differ between workers. Fixing this function's own
-            # graph-level seed makes the order a function of the pass seed.
-            tf.random.set_seed(_GRAPH_SEED)
-            buffer = self.num_examples if shuffle is True else shuffle
-            examples = examples.shuffle(
-                buffer, seed=info[1], reshuffle_each_iteration=False
-            )
+            examples = _shuffled(self, shuffle, info[1])
         return examples.skip(info[0]).batch(global_batch_size)
 
 
@@ -707,8 +736,11 @@ def shard(
             runs it only on its own rows. Defaults to `None`.
         shuffle: `None` (or `False`): keep the order. An int: shuffle with
             a buffer of that many examples, as `tf.data.Dataset.shuffle`
-            does. `True`: shuffle the whole pass (a buffer of all examples;
-            their number must be known). Defaults to `None`.
+            does. `True`: shuffle the whole pass (their number must be
+            known): by random access (tf.data's global shuffle, no
+            buffer) if the examples support it, `kh.data.from_arrow`
+            examples converted whole and permuted, others through a
+            buffer of all examples. Defaults to `None`.
         seed: The shuffle seed (an int >= 0). Defaults to `None`: one is
             drawn when training starts, from numpy's global random state
             (so `keras.utils.set_random_seed` fixes it) on the first
