@@ -551,3 +551,61 @@ def test_random_layers_with_saved_state_are_accepted(
     )
     assert steps == ROWS // BATCH
     assert ours == []
+
+
+class _StopAfter(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.step:
+            self.model.stop_training = True
+
+
+def _without_random_access(examples):
+    # `filter` has no random access: `shuffle=True` then takes a buffer.
+    return examples.filter(lambda *example: True).apply(
+        tf.data.experimental.assert_cardinality(ROWS)
+    )
+
+
+def test_resuming_an_epoch_shuffled_by_another_mechanism_is_refused(tmp_path):
+    first = kh.data.shard(_examples(), BATCH, shuffle=True, seed=3)
+    assert first.shuffle_mechanism == "global shuffle"
+    model = _model()
+    model.fit(
+        first,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            _StopAfter(2),
+        ],
+    )
+    edited = kh.data.shard(
+        _without_random_access(_examples()), BATCH, shuffle=True, seed=3
+    )
+    assert edited.shuffle_mechanism == "buffer of the pass"
+    counter = CountSteps()
+    with pytest.raises(ValueError, match="'global shuffle'") as error:
+        _model().fit(
+            edited,
+            epochs=1,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), counter],
+        )
+    assert "'buffer of the pass'" in str(error.value)
+    assert counter.steps == 0
+    checkpoint = kh.callbacks.ElasticCheckpoint(
+        tmp_path, approximate_resume=True
+    )
+    steps, ours = _fit(_model(), edited, checkpoint)
+    assert checkpoint.restored_from is not None
+    assert steps == ROWS // BATCH  # 2 restored (iterations), 2 trained
+    assert len(ours) == 1 and "another mechanism" in str(ours[0].message)
+    # The same pipeline resumes silently.
+    steps, ours = _fit(
+        _model(), first, kh.callbacks.ElasticCheckpoint(tmp_path)
+    )
+    assert ours == []

@@ -86,7 +86,10 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         signals: Signals that trigger save-and-stop. Defaults to SIGTERM and
             SIGINT (a second SIGINT interrupts at once).
         approximate_resume: Accept input stages that a restart cannot
-            reproduce (see above): `fit` then warns once, naming them, and
+            reproduce (see above), tf-keras random layers on TF1 stateful
+            ops, and an epoch resumed with another shuffle mechanism than
+            the checkpoint's (`HeteroDataset.shuffle_mechanism`; a pipeline
+            edit): `fit` then warns once, naming them, and
             trains. A resumed epoch still skips as many examples as were
             trained before the restart, but in another order they are not
             the same examples: until the epoch ends some of its examples
@@ -99,7 +102,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             `mtbf` or `resize`, or `keep` < 1; and from `fit`, before the
             first step, if the examples of the `kh.data.HeteroDataset`
             have a stage a restart cannot reproduce (the message names each
-            stage and its fix) and `approximate_resume` is False.
+            stage and its fix), a tf-keras model has random layers on TF1
+            stateful ops, or a checkpoint stopped in an epoch shuffled by
+            another mechanism, and `approximate_resume` is False.
 
     Example:
 
@@ -201,6 +206,33 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             "every example is still trained once per epoch.",
         )
 
+    def _check_same_order(self, path, state, dataset):
+        """Refuses to resume a shuffled epoch if its order was made by
+        another mechanism than the dataset's (a pipeline edit, or a
+        checkpoint older than the record: see
+        `HeteroDataset.shuffle_mechanism`)."""
+        if state.get("shuffle_seed") is None:
+            return  # not shuffled: the order is the examples'
+        then = state.get("shuffle_mechanism", "not recorded")
+        now = dataset.shuffle_mechanism
+        if then == now:
+            return
+        self._refuse_or_warn(
+            f"checkpoint {path} stopped in the middle of an epoch shuffled "
+            f"by {then!r}, and this dataset shuffles by {now!r}, so the "
+            "resumed epoch would skip other examples than were trained. "
+            "The mechanism follows the examples (a `filter`, `take` or "
+            "`from_generator` upstream has no random access, so "
+            "`shuffle=True` takes a buffer; checkpoints written before "
+            "keras-hetero recorded it say 'not recorded'). Fix: resume with "
+            "the pipeline that wrote the "
+            "checkpoint, or start the epoch afresh in a new `directory`.",
+            "the resumed epoch's order is made by another mechanism than "
+            f"the one that trained its first steps ({then!r} then, {now!r} "
+            "now); until the epoch ends some examples are trained twice and "
+            "others not at all.",
+        )
+
     def _refuse_or_warn(self, problem, approximation):
         """Raises a ValueError naming `problem`, or with
         `approximate_resume` warns `approximation` once per kind."""
@@ -277,6 +309,8 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         if isinstance(dataset, ParameterServerInput):
             dataset.resume_after(done)
         else:
+            if done:
+                self._check_same_order(path, state, dataset)
             data_pass = state.get("data_pass")
             dataset.resume_after(
                 done, pass_number=data_pass, seed=state.get("shuffle_seed")
@@ -516,6 +550,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             ),
             "shares": [float(s) for s in dataset.shares],
             "shuffle_seed": getattr(dataset, "seed", None),
+            "shuffle_mechanism": getattr(dataset, "shuffle_mechanism", None),
             "data_pass": self._data_pass(epoch),
             "callbacks": {
                 type(c).__name__: _plain(_without_schedule(c.get_state()))

@@ -97,6 +97,12 @@ class ArraySource:
     def cache(self, filename):
         return self  # already in memory
 
+    def shuffle_mechanism(self, shuffle):
+        """How `order` shuffles (`HeteroDataset.shuffle_mechanism`)."""
+        if shuffle == "batch":
+            return "numpy permutation within batches"
+        return "numpy permutation"
+
     def order(self, pass_number, seed, shuffle, global_batch_size):
         """The example indices of pass `pass_number`, in order."""
         rows = self.num_examples

@@ -108,6 +108,26 @@ class HeteroDataset:
         return self._order.shuffle
 
     @property
+    def shuffle_mechanism(self):
+        """How the passes are put in their order, or None (not shuffled).
+
+        The order of a pass is a function of `(seed, pass)` and of this
+        mechanism, which `kh.data.shard` picks from the examples (see
+        docs/checkpoints.md, "What resuming mid-epoch costs, and why"):
+        `"numpy permutation"` (arrays; `"numpy permutation within
+        batches"` for `shuffle="batch"`), `"arrow permutation"`
+        (`kh.data.from_arrow` with `shuffle=True`), `"global shuffle"`
+        (tf.data examples with random access and `shuffle=True`),
+        `"buffer of the pass"` (`shuffle=True` otherwise) or `"buffer of
+        N"` (`shuffle=N`). `kh.callbacks.ElasticCheckpoint` records it, so
+        that a pipeline edit that changes it (say a `filter` upstream: no
+        random access) cannot resume an epoch in another order.
+        """
+        if self.shuffling is None:
+            return None
+        return self._source.shuffle_mechanism(self.shuffling)
+
+    @property
     def seed(self):
         """The shuffle seed: given to `kh.data.shard`, else chosen when
         training starts (the same on every worker), None before that."""
@@ -594,6 +614,11 @@ def _tf_pass_seed(seed, pass_number):
     return mixed % _SEED_MODULUS
 
 
+# `HeteroDataset.shuffle_mechanism` values (recorded in checkpoints).
+ARROW_PERMUTATION = "arrow permutation"
+GLOBAL_SHUFFLE = "global shuffle"
+
+
 def _shuffled(source, shuffle, seed):
     """The examples of `source` (a `_DatasetSource`) in the order of one
     shuffled pass.
@@ -617,9 +642,10 @@ def _shuffled(source, shuffle, seed):
     makes the order a function of `seed` alone.
     """
     tf.random.set_seed(_GRAPH_SEED)
-    if shuffle is True and hasattr(source.examples, "shuffled_pass"):
+    mechanism = source.shuffle_mechanism(shuffle)
+    if mechanism == ARROW_PERMUTATION:
         return source.examples.shuffled_pass(seed)  # `kh.data.from_arrow`
-    if shuffle is True and source.random_access:
+    if mechanism == GLOBAL_SHUFFLE:
         return _compat.global_shuffle(source.examples, seed)
     buffer = source.num_examples if shuffle is True else shuffle
     return source.examples.shuffle(
@@ -647,6 +673,16 @@ class _DatasetSource:
 
     def cache(self, filename):
         return _DatasetSource(self.examples.cache(filename))
+
+    def shuffle_mechanism(self, shuffle):
+        """How `_shuffled` orders a pass (`HeteroDataset.shuffle_mechanism`)."""
+        if shuffle is True and hasattr(self.examples, "shuffled_pass"):
+            return ARROW_PERMUTATION
+        if shuffle is True and self.random_access:
+            return GLOBAL_SHUFFLE
+        return (
+            "buffer of the pass" if shuffle is True else f"buffer of {shuffle}"
+        )
 
     def unreproducible_stages(self):
         if self._stages is None:  # the pipeline never changes
