@@ -609,3 +609,33 @@ def test_resuming_an_epoch_shuffled_by_another_mechanism_is_refused(tmp_path):
         _model(), first, kh.callbacks.ElasticCheckpoint(tmp_path)
     )
     assert ours == []
+
+
+def _noisy(x, y):
+    return x + tf.random.uniform(tf.shape(x), seed=5), y
+
+
+def _keyed(x, y):
+    return x + tf.random.stateless_uniform(tf.shape(x), seed=[1, 2]), y
+
+
+def test_seeded_random_op_in_map_fn_is_refused(tmp_path):
+    # map_fn runs on the replicas' slices after the split: a resumed pass
+    # restarts its numbers at the resume point, seed or not.
+    data = kh.data.shard(_examples(), BATCH, map_fn=_noisy)
+    counter = CountSteps()
+    with pytest.raises(ValueError, match="map_fn") as error:
+        _model().fit(
+            data,
+            epochs=1,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), counter],
+        )
+    assert "RandomUniform" in str(error.value)
+    assert "`_noisy`" in str(error.value)
+    assert counter.steps == 0
+    # Without ElasticCheckpoint on one worker nothing is checked; a
+    # stateless op with a fixed seed is accepted.
+    _model().fit(data, epochs=1, verbose=0)
+    keyed = kh.data.shard(_examples(), BATCH, map_fn=_keyed)
+    assert keyed.unreproducible_stages() == []

@@ -103,6 +103,7 @@ _METHODS = {
     ),
     "ParallelBatchDataset": "Dataset.batch",
     "ScanDataset": "Dataset.scan",
+    "MapFn": "kh.data.shard(..., map_fn=...)",  # not an op: `map_fn_stages`
 }
 # Prefixes tf.data puts before a dataset function's own name.
 _FUNCTION_PREFIX = re.compile(
@@ -163,25 +164,7 @@ def unreproducible_stages(examples):
             "Could not inspect the examples' tf.data pipeline for stages "
             f"that break exact resume ({type(error).__name__}: {error})."
         ) from error
-    functions = {f.signature.name: f for f in graph.library.function}
-    stages = []
-    visited = set()
-
-    def visit(nodes, context):
-        nodes = list(nodes)
-        constants = {n.name: n for n in nodes if n.op == "Const"}
-        cached = _cached(nodes)
-        for node in nodes:
-            stage = _check(node, constants, context, node.name in cached)
-            if stage is not None and stage not in stages:
-                stages.append(stage)
-            for name in _functions_of(node):
-                inner = (node.op, name) if node.op in _METHODS else context
-                if name in functions and (name, inner) not in visited:
-                    visited.add((name, inner))
-                    visit(functions[name].node_def, inner)
-
-    visit(graph.node, None)
+    stages = _walk(graph, None)
     if examples.options().deterministic is False:
         stages.append(
             Stage(
@@ -197,10 +180,65 @@ def unreproducible_stages(examples):
     return stages
 
 
-def _check(node, constants, context, cached=False):
+def map_fn_stages(examples, map_fn):
+    """The stages of `kh.data.shard`'s `map_fn` that a resumed pass cannot
+    reproduce: any stateful random op, seeded or not, and any variable
+    update (`tf.random.Generator`, Keras random layers).
+
+    `map_fn` runs after the split, on each replica's slice of the global
+    batches that are left: a resumed pass starts its random stream afresh
+    at the resume point, where the uninterrupted pass had drawn on, and
+    slices change with the shares. So unlike in the examples' own `map`,
+    a seed does not make it reproducible.
+
+    Raises:
+        ValueError: If `map_fn` cannot be traced for inspection.
+    """
+    spec = examples.batch(2).element_spec
+    args = spec if isinstance(spec, tuple) else (spec,)
+    try:
+        traced = tf.function(lambda *a: map_fn(*a)).get_concrete_function(*args)
+    except Exception as error:  # any error: we cannot inspect it
+        raise ValueError(
+            "Could not inspect `map_fn` for random ops that break exact "
+            f"resume ({type(error).__name__}: {error})."
+        ) from error
+    name = getattr(map_fn, "__name__", "map_fn")
+    return _walk(traced.graph.as_graph_def(), ("MapFn", name), True)
+
+
+def _walk(graph, context, after_split=False):
+    """The Stages of a GraphDef's nodes and of the functions they call."""
+    functions = {f.signature.name: f for f in graph.library.function}
+    stages = []
+    visited = set()
+
+    def visit(nodes, context):
+        nodes = list(nodes)
+        constants = {n.name: n for n in nodes if n.op == "Const"}
+        cached = _cached(nodes)
+        for node in nodes:
+            stage = _check(
+                node, constants, context, node.name in cached, after_split
+            )
+            if stage is not None and stage not in stages:
+                stages.append(stage)
+            for name in _functions_of(node):
+                inner = (node.op, name) if node.op in _METHODS else context
+                if name in functions and (name, inner) not in visited:
+                    visited.add((name, inner))
+                    visit(functions[name].node_def, inner)
+
+    visit(graph.node, context)
+    return stages
+
+
+def _check(node, constants, context, cached=False, after_split=False):
     """The Stage for `node`, or None. `context`: `(dataset op, function)`
     whose body holds `node`, or None at the top of the pipeline. `cached`:
-    a `cache()` after `node` keeps its first pass for every later one."""
+    a `cache()` after `node` keeps its first pass for every later one.
+    `after_split`: `node` is in `kh.data.shard`'s `map_fn`, where a seed
+    does not make a stateful random op reproducible (`map_fn_stages`)."""
     op = node.op
     function = None if context is None else _user_name(context[1])
     if op in _SHUFFLES or op in _RANDOM_DATASETS:
@@ -280,6 +318,19 @@ def _check(node, constants, context, cached=False):
         return None
     in_filter = context[0] in _FILTERS
     method = f"`{_METHODS.get(context[0], context[0])}`"
+    if op in _STATEFUL_RANDOM and after_split:
+        return Stage(
+            "`kh.data.shard(..., map_fn=...)`",
+            op,
+            function,
+            f"the random op {op} runs after the split, on the replicas' "
+            "slices of the batches left, so a resumed epoch restarts its "
+            "numbers at the resume point (a seed does not help here)",
+            "draw the random numbers in the examples' own `map` (before "
+            "`kh.data.shard`) with a seeded op or a stateless op keyed by "
+            "the example, or in the model (a random layer)",
+            across_workers=False,
+        )
     if op in _STATEFUL_RANDOM and _attr_int(node, "seed") == 0:
         if _attr_int(node, "seed2") == 0:
             return Stage(

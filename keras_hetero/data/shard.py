@@ -363,7 +363,9 @@ class HeteroDataset:
         """
         # Sources we build (arrays) keep their order by construction.
         stages = getattr(self._source, "unreproducible_stages", None)
-        return [] if stages is None else stages()
+        if stages is None:
+            return []
+        return stages() + self._source.map_fn_stages(self._map_fn)
 
     # --- tf.data methods --------------------------------------------------
 
@@ -662,6 +664,7 @@ class _DatasetSource:
         self.num_examples = None if count < 0 else count
         self._random_access = None
         self._stages = None
+        self._map_fn_stages = None
 
     @property
     def random_access(self):
@@ -702,6 +705,19 @@ class _DatasetSource:
                 )
                 self._stages = []
         return list(self._stages)
+
+    def map_fn_stages(self, map_fn):
+        """`reproducibility.map_fn_stages` of `map_fn` (or `[]`), once."""
+        if map_fn is None:
+            return []
+        if self._map_fn_stages is None or self._map_fn_stages[0] is not map_fn:
+            try:
+                found = reproducibility.map_fn_stages(self.examples, map_fn)
+            except ValueError as error:
+                warnings.warn(str(error), UserWarning, stacklevel=2)
+                found = []
+            self._map_fn_stages = (map_fn, found)
+        return list(self._map_fn_stages[1])
 
     def pass_batches(self, start_pass, global_batch_size, shuffle):
         """One pass's global batches (traced once, run at each pass)."""
