@@ -216,6 +216,21 @@ def _model():
     return model
 
 
+def _refused(model, data, directory, match):
+    """The message of the ValueError `fit` with an ElasticCheckpoint raises
+    (matching `match`), after checking that no step ran."""
+    counter = CountSteps()
+    with pytest.raises(ValueError, match=match) as error:
+        model.fit(
+            data,
+            epochs=1,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(directory), counter],
+        )
+    assert counter.steps == 0
+    return str(error.value)
+
+
 def _fit(model, data, checkpoint, epochs=1, **kwargs):
     """Train steps this `fit` ran, and the approximate-resume warnings."""
     start = int(model.optimizer.iterations.numpy())
@@ -522,16 +537,8 @@ def tf_random_generator():
 def test_tf_keras_stateful_random_layers_are_refused(tmp_path):
     data = kh.data.shard(_examples(), BATCH)
     model = _dropout_model()
-    counter = CountSteps()
-    with pytest.raises(ValueError, match="enable_tf_random_generator") as e:
-        model.fit(
-            data,
-            epochs=1,
-            verbose=0,
-            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), counter],
-        )
-    assert "'drop'" in str(e.value)
-    assert counter.steps == 0
+    message = _refused(model, data, tmp_path, "enable_tf_random_generator")
+    assert "'drop'" in message
     assert checkpointing.newest_valid(str(tmp_path)) is None
     checkpoint = kh.callbacks.ElasticCheckpoint(
         tmp_path, approximate_resume=True
@@ -587,16 +594,8 @@ def test_resuming_an_epoch_shuffled_by_another_mechanism_is_refused(tmp_path):
         _without_random_access(_examples()), BATCH, shuffle=True, seed=3
     )
     assert edited.shuffle_mechanism == "buffer of the pass"
-    counter = CountSteps()
-    with pytest.raises(ValueError, match="'global shuffle'") as error:
-        _model().fit(
-            edited,
-            epochs=1,
-            verbose=0,
-            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), counter],
-        )
-    assert "'buffer of the pass'" in str(error.value)
-    assert counter.steps == 0
+    message = _refused(_model(), edited, tmp_path, "'global shuffle'")
+    assert "'buffer of the pass'" in message
     checkpoint = kh.callbacks.ElasticCheckpoint(
         tmp_path, approximate_resume=True
     )
@@ -623,17 +622,9 @@ def test_seeded_random_op_in_map_fn_is_refused(tmp_path):
     # map_fn runs on the replicas' slices after the split: a resumed pass
     # restarts its numbers at the resume point, seed or not.
     data = kh.data.shard(_examples(), BATCH, map_fn=_noisy)
-    counter = CountSteps()
-    with pytest.raises(ValueError, match="map_fn") as error:
-        _model().fit(
-            data,
-            epochs=1,
-            verbose=0,
-            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path), counter],
-        )
-    assert "RandomUniform" in str(error.value)
-    assert "`_noisy`" in str(error.value)
-    assert counter.steps == 0
+    message = _refused(_model(), data, tmp_path, "map_fn")
+    assert "RandomUniform" in message
+    assert "`_noisy`" in message
     # Without ElasticCheckpoint on one worker nothing is checked; a
     # stateless op with a fixed seed is accepted.
     _model().fit(data, epochs=1, verbose=0)
