@@ -630,3 +630,42 @@ def test_seeded_random_op_in_map_fn_is_refused(tmp_path):
     _model().fit(data, epochs=1, verbose=0)
     keyed = kh.data.shard(_examples(), BATCH, map_fn=_keyed)
     assert keyed.unreproducible_stages() == []
+
+
+def test_checkpoint_without_a_recorded_mechanism_resumes_like_before(
+    tmp_path, monkeypatch
+):
+    # A checkpoint written before checkpoints recorded the mechanism: then
+    # `shuffle=True` over tf.data examples took a buffer of the pass.
+    state = kh.callbacks.ElasticCheckpoint._state
+
+    def unrecorded(self, *args):
+        written = state(self, *args)
+        assert written.pop("shuffle_mechanism") == "buffer of the pass"
+        return written
+
+    monkeypatch.setattr(kh.callbacks.ElasticCheckpoint, "_state", unrecorded)
+    data = kh.data.shard(
+        _without_random_access(_examples()), BATCH, shuffle=True, seed=3
+    )
+    _model().fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            _StopAfter(2),
+        ],
+    )
+    monkeypatch.undo()
+    # The global shuffle, which no such checkpoint can have used, is
+    # refused; the same (buffered) pipeline resumes silently.
+    message = _refused(
+        _model(),
+        kh.data.shard(_examples(), BATCH, shuffle=True, seed=3),
+        tmp_path,
+        "'buffer of the pass'",
+    )
+    assert "'global shuffle'" in message
+    steps, ours = _fit(_model(), data, kh.callbacks.ElasticCheckpoint(tmp_path))
+    assert ours == [] and steps == ROWS // BATCH

@@ -16,6 +16,7 @@ from keras_hetero import checkpointing
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.data import reproducibility
+from keras_hetero.data.shard import mechanism_before_record
 
 logger = logging.getLogger("keras_hetero")
 
@@ -213,8 +214,13 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         `HeteroDataset.shuffle_mechanism`)."""
         if state.get("shuffle_seed") is None:
             return  # not shuffled: the order is the examples'
-        then = state.get("shuffle_mechanism", "not recorded")
         now = dataset.shuffle_mechanism
+        then = state.get("shuffle_mechanism")
+        if then is None:
+            # Written before checkpoints recorded it: then `shuffle=True`
+            # over tf.data (and `from_arrow`) examples always took a buffer
+            # of the pass; arrays and buffer sizes are unchanged.
+            then = mechanism_before_record(now)
         if then == now:
             return
         self._refuse_or_warn(
@@ -223,8 +229,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             "resumed epoch would skip other examples than were trained. "
             "The mechanism follows the examples (a `filter`, `take` or "
             "`from_generator` upstream has no random access, so "
-            "`shuffle=True` takes a buffer; checkpoints written before "
-            "keras-hetero recorded it say 'not recorded'). Fix: resume with "
+            "`shuffle=True` takes a buffer; before checkpoints recorded it, "
+            "`shuffle=True` over tf.data examples always did). Fix: resume "
+            "with "
             "the pipeline that wrote the "
             "checkpoint, or start the epoch afresh in a new `directory`.",
             "the resumed epoch's order is made by another mechanism than "

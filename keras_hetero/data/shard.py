@@ -621,6 +621,16 @@ ARROW_PERMUTATION = "arrow permutation"
 GLOBAL_SHUFFLE = "global shuffle"
 
 
+def mechanism_before_record(mechanism):
+    """The shuffle mechanism of a checkpoint written before checkpoints
+    recorded it, for a dataset that now shuffles by `mechanism`: until
+    then `shuffle=True` over tf.data and `from_arrow` examples took a
+    buffer of the pass; arrays and buffer sizes shuffle as they did."""
+    if mechanism in (ARROW_PERMUTATION, GLOBAL_SHUFFLE):
+        return "buffer of the pass"
+    return mechanism
+
+
 def _shuffled(source, shuffle, seed):
     """The examples of `source` (a `_DatasetSource`) in the order of one
     shuffled pass.
