@@ -883,7 +883,11 @@ def _check_same_order_on_workers(dataset):
         return
     if _distribute.num_workers(strategy) < 2:
         return
-    stages = [s for s in dataset.unreproducible_stages() if s.across_workers]
+    # The examples' own stages only: `map_fn` runs after the split, on each
+    # worker's rows, so it cannot change which rows a worker keeps.
+    stages = [
+        s for s in dataset._source.unreproducible_stages() if s.across_workers
+    ]
     if stages:
         raise ValueError(
             "Invalid value for argument `examples`: under "
