@@ -133,18 +133,10 @@ def _pass_ids(strategy, dataset):
     ]
 
 
-def _without_random_access(examples):
-    # `filter` does not support random access (tf.data's global shuffle
-    # refuses it): `shuffle=True` then takes a buffer of the whole pass.
-    return examples.filter(lambda *example: True).apply(
-        tf.data.experimental.assert_cardinality(int(examples.cardinality()))
-    )
-
-
 def _shuffled(strategy, shuffle, seed, rows=helpers.ROWS, source=None):
     ids = tf.data.Dataset.from_tensor_slices(np.arange(rows, dtype="int64"))
     if source == "buffer":
-        ids = _without_random_access(ids)
+        ids = helpers.without_random_access(ids)
     return kh.data.shard(
         ids,
         helpers.GLOBAL_BATCH,
@@ -210,7 +202,7 @@ def test_resumed_whole_pass_shuffle_reads_only_what_it_skips(source):
     ids = tf.data.Dataset.from_tensor_slices(np.arange(rows, dtype="int64"))
     ids = ids.map(lambda i: tf.numpy_function(read, [i], tf.int64))
     if source == "buffer":
-        ids = _without_random_access(ids)
+        ids = helpers.without_random_access(ids)
     data = kh.data.shard(ids, helpers.GLOBAL_BATCH, shuffle=True, seed=4)
     data.resume_after(skip, pass_number=0)
     iterator = iter(data.as_distributed_dataset())
@@ -331,7 +323,7 @@ def test_parameter_server_dataset_is_the_one_device_batch_stream(shuffle):
     # 72 examples in global batches of 16: 5 per pass (the last of 8 rows).
     examples = helpers.examples()
     if shuffle == "buffer":  # shuffle=True without random access
-        examples, shuffle = _without_random_access(examples), True
+        examples, shuffle = helpers.without_random_access(examples), True
     seed = 5 if shuffle else None
     one_device = kh.data.shard(
         examples, 16, shuffle=shuffle, seed=seed

@@ -570,28 +570,25 @@ class _StopAfter(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def _without_random_access(examples):
-    # `filter` has no random access: `shuffle=True` then takes a buffer.
-    return examples.filter(lambda *example: True).apply(
-        tf.data.experimental.assert_cardinality(ROWS)
+def _checkpoint_after_step_2(data, directory):
+    """Trains 2 steps of `data`'s first epoch, checkpointing every step."""
+    _model().fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(directory, save_every=1),
+            _StopAfter(2),
+        ],
     )
 
 
 def test_resuming_an_epoch_shuffled_by_another_mechanism_is_refused(tmp_path):
     first = kh.data.shard(_examples(), BATCH, shuffle=True, seed=3)
     assert first.shuffle_mechanism == "global shuffle"
-    model = _model()
-    model.fit(
-        first,
-        epochs=1,
-        verbose=0,
-        callbacks=[
-            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
-            _StopAfter(2),
-        ],
-    )
+    _checkpoint_after_step_2(first, tmp_path)
     edited = kh.data.shard(
-        _without_random_access(_examples()), BATCH, shuffle=True, seed=3
+        helpers.without_random_access(_examples()), BATCH, shuffle=True, seed=3
     )
     assert edited.shuffle_mechanism == "buffer of the pass"
     message = _refused(_model(), edited, tmp_path, "'global shuffle'")
@@ -646,17 +643,9 @@ def test_checkpoint_without_a_recorded_mechanism_resumes_like_before(
 
     monkeypatch.setattr(kh.callbacks.ElasticCheckpoint, "_state", unrecorded)
     data = kh.data.shard(
-        _without_random_access(_examples()), BATCH, shuffle=True, seed=3
+        helpers.without_random_access(_examples()), BATCH, shuffle=True, seed=3
     )
-    _model().fit(
-        data,
-        epochs=1,
-        verbose=0,
-        callbacks=[
-            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
-            _StopAfter(2),
-        ],
-    )
+    _checkpoint_after_step_2(data, tmp_path)
     monkeypatch.undo()
     # The global shuffle, which no such checkpoint can have used, is
     # refused; the same (buffered) pipeline resumes silently.
