@@ -426,10 +426,7 @@ def random_generator_states(model):
     if not IS_LEGACY:
         return []
     states = []
-    for layer in all_layers(model):
-        generator = getattr(layer, "_random_generator", None)
-        if getattr(generator, "_rng_type", None) != "stateful":
-            continue
+    for _, generator in _random_generators(model, "stateful"):
         with model.distribute_strategy.scope():
             generator._maybe_init()
         inner = getattr(generator, "_generator", None)
@@ -452,11 +449,17 @@ def unsaved_random_layers(model):
     if not IS_LEGACY:
         return []
     return [
-        layer.name
-        for layer in all_layers(model)
-        if getattr(getattr(layer, "_random_generator", None), "_rng_type", None)
-        == "legacy_stateful"
+        layer.name for layer, _ in _random_generators(model, "legacy_stateful")
     ]
+
+
+def _random_generators(model, rng_type):
+    """tf-keras: `(layer, layer._random_generator)` of the layers whose
+    `backend.RandomGenerator` has `rng_type`."""
+    for layer in all_layers(model):
+        generator = getattr(layer, "_random_generator", None)
+        if getattr(generator, "_rng_type", None) == rng_type:
+            yield layer, generator
 
 
 def shared_file_paths(callback):
