@@ -17,6 +17,7 @@ from keras_hetero._compat import FLAVOUR
 from keras_hetero._compat import keras
 from keras_hetero.model import HeteroModel
 from keras_hetero.precision import set_precision
+from keras_hetero.sequential import HeteroSequential
 from keras_hetero.telemetry import StepStats
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FLAVOUR",
     "HeteroModel",
+    "HeteroSequential",
     "StepStats",
     "callbacks",
     "set_precision",

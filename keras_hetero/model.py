@@ -701,15 +701,9 @@ class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        settings = {
-            name: config.pop(name)
-            for name in _HeteroState.SERIALISED
-            if name in config
-        }
+        config, settings = _split_settings(config)
         model = super().from_config(config, custom_objects=custom_objects)
-        _check_options(**{**_HeteroState.DEFAULTS, **settings})
-        model._hetero = _HeteroState(**{**_HeteroState.DEFAULTS, **settings})
+        _set_settings(model, settings)
         return model
 
 
@@ -769,6 +763,24 @@ def _derive_from_functional(cls):
         return cls
     cls.__bases__ = tuple(_derive_from_functional(b) for b in cls.__bases__)
     return cls
+
+
+def _split_settings(config):
+    """`(config without HeteroModel's settings, those settings)`."""
+    config = dict(config)
+    settings = {
+        name: config.pop(name)
+        for name in _HeteroState.SERIALISED
+        if name in config
+    }
+    return config, settings
+
+
+def _set_settings(model, settings):
+    """Gives a model made by Keras' `from_config` the saved settings."""
+    settings = {**_HeteroState.DEFAULTS, **settings}
+    _check_options(**settings)
+    model._hetero = _HeteroState(**settings)
 
 
 class _HeteroState:

@@ -5,8 +5,8 @@ its test files and runs them twice with pytest:
 
 - STOCK: the files as shipped;
 - HETERO: the same files with `keras.Model` rewritten to `kh.HeteroModel`
-  in the test modules' source (see `rewrite_source`; Keras itself is not
-  touched).
+  and `keras.Sequential` to `kh.HeteroSequential` in the test modules'
+  source (see `rewrite_source`; Keras itself is not touched).
 
 Then prints, per file, how many tests pass in each run and which tests pass
 STOCK but fail HETERO. Such a test is a regression unless it is listed in
@@ -56,11 +56,9 @@ FILES = (
 )
 
 # The class that `Sequential` in the test modules becomes in the HETERO run,
-# as an attribute of the shim (kh_shim.py), or None to leave Sequential
-# alone. keras_hetero has no Sequential class and HeteroModel.from_model
-# cannot wrap a Sequential built lazily (no Input), as most tests build it;
-# "HeteroSequential" is the shim's prototype (HeteroModel + keras.Sequential).
-SEQUENTIAL = None
+# as an attribute of the shim (kh_shim.py): `kh.HeteroSequential`
+# (`--sequential ""` leaves Sequential alone).
+SEQUENTIAL = "HeteroSequential"
 
 # Names of Keras modules whose `Model` / `Sequential` attribute is rewritten
 # when a test module imports them (`from keras.src import models`; tf-keras:
@@ -688,7 +686,7 @@ def main(argv=None):
     parser.add_argument(
         "--sequential",
         default=SEQUENTIAL,
-        help="shim class that Sequential becomes (default: left alone)",
+        help="shim class that Sequential becomes ('' leaves it alone)",
     )
     parser.add_argument(
         "--allowed", default=str(HERE / "allowed.txt"), help="allowed list"
