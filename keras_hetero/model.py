@@ -147,9 +147,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             communication=communication,
             global_clipnorm=global_clipnorm,
         )
-        if _compat.IS_LEGACY:
-            # Our logs are global and identical on every replica.
-            self.distribute_reduction_method = "first"
+        _compat.logs_are_global(self)
 
     @classmethod
     def from_model(cls, model, **kwargs):
@@ -532,9 +530,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             class_weight = kwargs.pop("class_weight", None)
             # Global batches keep their order; shuffle the examples instead.
             kwargs.setdefault("shuffle", False)
-            if _compat.IS_LEGACY:
-                # tf-keras never re-iterates a distributed dataset: it wants
-                # a repeated one and the steps per epoch.
+            if _compat.REPEATS_DISTRIBUTED_INPUT:
                 kwargs.setdefault("steps_per_epoch", x.num_batches)
                 if kwargs["steps_per_epoch"] is None:
                     raise ValueError(
@@ -547,11 +543,13 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _compat.fix_synchronized_batch_norm(self)
         _attach_input(kwargs.get("callbacks"), dataset, self)
         x = self._as_input(
-            x, repeat=_compat.IS_LEGACY, class_weight=class_weight
+            x,
+            repeat=_compat.REPEATS_DISTRIBUTED_INPUT,
+            class_weight=class_weight,
         )
         validation = kwargs.get("validation_data")
         if isinstance(validation, HeteroDataset):
-            if _compat.IS_LEGACY:
+            if _compat.REPEATS_DISTRIBUTED_INPUT:
                 kwargs.setdefault("validation_steps", validation.num_batches)
             kwargs["validation_data"] = self._as_input(validation)
         if self._hetero.telemetry is not None:
@@ -595,7 +593,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         converted = arrays.evaluate_arguments(self, x, y, args, kwargs)
         if converted is not None:
             x, y, args, kwargs = converted.pop("x"), None, (), converted
-        if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
+        if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
         return super().evaluate(self._as_input(x), y, *args, **kwargs)
@@ -617,7 +615,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         converted = arrays.predict_arguments(self, x, args, kwargs)
         if converted is not None:
             x, args, kwargs = converted.pop("x"), (), converted
-        if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
+        if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
         return super().predict(self._as_input(x), *args, **kwargs)

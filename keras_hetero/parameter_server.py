@@ -108,7 +108,7 @@ class ParameterServerRunner:
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             self.strategy
         )
-        workers = self.coordinator._cluster.workers
+        workers = _compat.coordinator_workers(self.coordinator)
         self.num_workers = len(workers)
         self.worker_ids = _worker_ids(self.coordinator)
         self.telemetry = WorkerTelemetry(self.num_workers)
@@ -364,19 +364,16 @@ def _worker_ids(coordinator):
     ParameterServerStrategy every worker's input context says pipeline 0.
     A resource is re-created when its worker restarts.
     """
-    from tensorflow.python.distribute.coordinator import values
 
     @tf.function
     def make(index):
         return tf.identity(index)
 
-    return values.PerWorkerValues(
-        tuple(
-            worker.create_resource(
-                make, args=(tf.constant(worker.worker_index, tf.int32),)
-            )
-            for worker in coordinator._cluster.workers
+    return _compat.per_worker_values(
+        worker.create_resource(
+            make, args=(tf.constant(worker.worker_index, tf.int32),)
         )
+        for worker in _compat.coordinator_workers(coordinator)
     )
 
 

@@ -83,7 +83,7 @@ class TensorflowConfig(_RayTensorflowConfig):
     """
 
     legacy_keras: bool = dataclasses.field(
-        default_factory=lambda: _compat.IS_LEGACY
+        default_factory=lambda: _compat.FLAVOUR == "tf-keras"
     )
 
     @property

@@ -145,7 +145,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self.signals = tuple(signals)
         self.approximate_resume = bool(approximate_resume)
         self._warned_approximate = set()
-        _check_directory(self.directory, write=_chief_from_env())
+        _check_directory(self.directory, write=_distribute.env_task().is_chief)
         self._writer = None
         self._error = None
         self._lock = threading.Lock()
@@ -701,10 +701,7 @@ class ParameterServerInput:
 
 def _learning_rate(optimizer):
     """The optimizer's learning rate as a float, or None for a schedule."""
-    schedule = keras.optimizers.schedules.LearningRateSchedule
-    if optimizer is None or isinstance(
-        getattr(optimizer, "_learning_rate", None), schedule
-    ):
+    if optimizer is None or _compat.has_learning_rate_schedule(optimizer):
         return None
     rate = optimizer.learning_rate
     try:
@@ -744,18 +741,6 @@ def _to_builtin(value):
 def _summary(names, shapes, limit=3):
     head = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes[:limit]))
     return head + (", ..." if len(names) > limit else "")
-
-
-def _chief_from_env():
-    try:
-        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    except ValueError:
-        return True
-    task = config.get("task") or {}
-    cluster = config.get("cluster") or {}
-    if "chief" in cluster:
-        return task.get("type") == "chief"
-    return not task.get("index", 0)
 
 
 def _check_directory(directory, write):

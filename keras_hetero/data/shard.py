@@ -285,7 +285,9 @@ class HeteroDataset:
                     # replica per global batch, and TF reports that count
                     # as the dataset's cardinality; Keras reads it as steps
                     # per epoch.
-                    distributed._cardinality = self.num_batches
+                    _compat.set_steps_of_distributed_dataset(
+                        distributed, self.num_batches
+                    )
             self._distributed[key] = distributed
         return self._distributed[key]
 
