@@ -410,3 +410,24 @@ def _due(epoch, frequency):
 
 def _python(logs):
     return {key: float(np.asarray(value)) for key, value in dict(logs).items()}
+
+
+class ParameterServerInput:
+    """What ElasticCheckpoint keeps of the input under
+    ParameterServerStrategy: nothing but the step count.
+
+    Each worker reads its own repeated copy of the data there, so there is
+    no data position to save; a resumed `fit` continues at the saved epoch
+    and step with fresh input (steps are at-least-once anyway).
+    """
+
+    global_batch_size = None
+    num_examples = None
+    num_batches = None
+
+    def __init__(self, num_workers):
+        self.num_replicas = num_workers
+        self.shares = [1.0 / num_workers] * num_workers
+
+    def resume_after(self, examples):
+        del examples  # no position to skip to

@@ -12,7 +12,7 @@ from keras_hetero import _distribute
 from keras_hetero import _summary
 from keras_hetero import straggler
 from keras_hetero._checks import check_int
-from keras_hetero._compat import keras
+from keras_hetero.callbacks import base
 
 logger = logging.getLogger("keras_hetero")
 
@@ -20,7 +20,7 @@ logger = logging.getLogger("keras_hetero")
 ACTIONS = ("warn", "rebalance", "checkpoint", "stop")
 
 
-class StragglerDetector(keras.callbacks.Callback):
+class StragglerDetector(base.HeteroCallback):
     """Scores every replica's speed each step and reports stragglers.
 
     With a `HeteroModel` it reads `model.step_stats` (every replica of every
