@@ -70,6 +70,22 @@ EPOCH_ITERATOR_YIELDS_STEP_RANGE = not IS_LEGACY and KERAS_RELEASE >= (3, 11)
 CONVERTS_OPTIONAL_INPUTS = not IS_LEGACY and KERAS_RELEASE >= (3, 12)
 
 
+# tf-keras never re-iterates a distributed dataset: each epoch continues the
+# same iterator, so it wants a repeated dataset and the steps per epoch
+# (`steps_per_epoch`, `validation_steps`, `steps`). Keras 3 iterates the
+# dataset again each epoch.
+REPEATS_DISTRIBUTED_INPUT = IS_LEGACY
+
+
+def logs_are_global(model):
+    """Tells Keras that the step's logs are already global (identical on
+    every replica). tf-keras' default (`distribute_reduction_method=
+    "auto"`) sums them across replicas off TPU; Keras 3's averages them,
+    which leaves identical values as they are."""
+    if IS_LEGACY:
+        model.distribute_reduction_method = "first"
+
+
 def register_serializable(name):
     """`register_keras_serializable` under the `keras_hetero` package."""
     return keras.saving.register_keras_serializable(
@@ -938,3 +954,91 @@ def dataset_graph(dataset):
     graph = graph_pb2.GraphDef()
     graph.ParseFromString(serialized.numpy())
     return graph
+
+
+# --- tf.distribute internals -------------------------------------------------
+# TensorFlow has no public way to ask these; each is unchanged in TF
+# 2.19-2.21 (tests/test_compat_versions.py runs them on the oldest tested).
+
+
+def in_multi_worker_mode(strategy):
+    """Whether a MultiWorkerMirroredStrategy spans several workers (one
+    whose TF_CONFIG names a single worker, or none, runs as one process);
+    the strategy's private `extended._in_multi_worker_mode()`."""
+    return strategy.extended._in_multi_worker_mode()
+
+
+def parameter_server_num_workers(strategy):
+    """The workers of a ParameterServerStrategy (its private
+    `extended._num_workers`; the cluster resolver also counts tasks that
+    are not workers)."""
+    return strategy.extended._num_workers
+
+
+def coordinator_workers(coordinator):
+    """A `ClusterCoordinator`'s worker objects (private `_cluster.workers`),
+    each with `worker_index` and `create_resource`."""
+    return coordinator._cluster.workers
+
+
+def per_worker_values(values):
+    """A `PerWorkerValues` of one resource per worker, for
+    `ClusterCoordinator.schedule` arguments (the class is not exported)."""
+    from tensorflow.python.distribute.coordinator import values as lib
+
+    return lib.PerWorkerValues(tuple(values))
+
+
+def set_steps_of_distributed_dataset(distributed, steps):
+    """Makes Keras read `steps` as a distributed dataset's length.
+
+    TF reports a worker pipeline's element count (one per LOCAL replica per
+    global batch) as the distributed dataset's cardinality, stored in its
+    private `_cardinality`, which Keras reads as steps per epoch.
+    """
+    distributed._cardinality = steps
+
+
+def set_coordination_value(key, value):
+    """Puts `key` in the coordination service's key-value store (running in
+    every multi-worker job; `tf.distribute` has no public access).
+    Raises if there is no coordination service."""
+    from tensorflow.python.eager import context
+
+    context.context().set_config_key_value(key, value)
+
+
+def delete_coordination_value(key):
+    """Removes `key` from the coordination service's store."""
+    from tensorflow.python.eager import context
+
+    context.context().delete_config_key_value(key)
+
+
+def has_coordination_value(key, timeout_ms):
+    """Whether `key` is in the coordination service's store (waits up to
+    `timeout_ms`); False without a coordination service."""
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().get_config_key_value(key, timeout_in_ms=timeout_ms)
+        return True
+    except Exception:  # not there in time, or no coordination service
+        return False
+
+
+def inbound_nodes(layer):
+    """The nodes of `layer`'s calls on symbolic tensors (private
+    `_inbound_nodes` in both flavours; Keras has no public graph walk of a
+    model's layers), each with `input_tensors` and `output_tensors`."""
+    return getattr(layer, "_inbound_nodes", None) or []
+
+
+def has_learning_rate_schedule(optimizer):
+    """Whether `optimizer`'s learning rate is a `LearningRateSchedule`.
+    Both flavours keep the schedule in the private `_learning_rate`; the
+    public `learning_rate` is its current value."""
+    return isinstance(
+        getattr(optimizer, "_learning_rate", None),
+        keras.optimizers.schedules.LearningRateSchedule,
+    )

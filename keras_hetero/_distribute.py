@@ -1,9 +1,74 @@
 """Facts about a `tf.distribute.Strategy` that several boxes need."""
 
 import contextlib
+import dataclasses
+import json
+import os
 import threading
 
 import tensorflow as tf
+
+from keras_hetero import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvTask:
+    """This process's task in the cluster `TF_CONFIG` names (read without a
+    strategy: before one exists, or in a watchdog thread).
+
+    Attributes:
+        task_type: `"worker"`, `"chief"`, ..., or None without `TF_CONFIG`.
+        task_index: The index within `task_type` (0 without `TF_CONFIG`).
+        num_workers: Chief and worker tasks of the cluster (at least 1).
+        has_chief: Whether the cluster has a `chief` task.
+    """
+
+    task_type: object = None
+    task_index: int = 0
+    num_workers: int = 1
+    has_chief: bool = False
+
+    @property
+    def worker_index(self):
+        """The global worker index: the chief first, then the workers (the
+        order of MultiWorkerMirroredStrategy's replicas)."""
+        if self.task_type == "worker" and self.has_chief:
+            return self.task_index + 1
+        return self.task_index
+
+    @property
+    def is_chief(self):
+        """The `chief` task if the cluster has one, else worker 0."""
+        if self.has_chief:
+            return self.task_type == "chief"
+        return self.task_index == 0
+
+    @property
+    def device_job(self):
+        """`/job:TYPE/task:INDEX`, the prefix of this task's device names."""
+        return f"/job:{self.task_type or 'worker'}/task:{self.task_index}"
+
+
+def env_task(environ=None):
+    """This process's `EnvTask`, parsed from `TF_CONFIG` (the one parser;
+    `TF_CONFIG` that is not JSON counts as absent: TensorFlow's resolver
+    rejects it with its own error where a strategy reads it)."""
+    text = (os.environ if environ is None else environ).get("TF_CONFIG")
+    try:
+        config = json.loads(text or "{}")
+    except ValueError:
+        config = {}
+    if not isinstance(config, dict):
+        config = {}
+    cluster = config.get("cluster") or {}
+    task = config.get("task") or {}
+    workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    return EnvTask(
+        task_type=task.get("type"),
+        task_index=int(task.get("index", 0) or 0),
+        num_workers=max(workers, 1),
+        has_chief="chief" in cluster,
+    )
 
 
 def is_parameter_server(strategy):
@@ -17,10 +82,9 @@ def is_parameter_server(strategy):
 
 
 def is_multi_worker(strategy):
-    return (
-        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        and strategy.extended._in_multi_worker_mode()
-    )
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and _compat.in_multi_worker_mode(strategy)
 
 
 def global_replica_devices(strategy):
@@ -114,7 +178,7 @@ def num_workers(strategy):
     """Worker processes in the job (1 unless multi-worker; under
     ParameterServerStrategy the workers, not the coordinator)."""
     if is_parameter_server(strategy):
-        return strategy.extended._num_workers
+        return _compat.parameter_server_num_workers(strategy)
     if not is_multi_worker(strategy):
         return 1
     cluster = strategy.cluster_resolver.cluster_spec().as_dict()

@@ -22,16 +22,31 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 from keras_hetero._checks import check_int
-from keras_hetero.testing.workers import free_ports
 
 RESTART_ENV = "KERAS_HETERO_RESTART"
 NUM_WORKERS_ENV = "KERAS_HETERO_NUM_WORKERS"
+
+
+def free_ports(count):
+    """`count` distinct free TCP ports on 127.0.0.1 (the launcher's and
+    `kh.testing.run_workers`' cluster addresses)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,9 +250,7 @@ def place(model, hints):
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> placed = place(model, {model.layers[-1].name: "/device:CPU:0"})
     """
-    from keras_hetero import placement
-
-    layers = placement.chain_layers(model)
+    layers = chain_layers(model)
     names = [layer.name for layer in layers]
     by_name = {}
     for key, value in hints.items():
@@ -399,3 +397,90 @@ def _is_available(device):
 
 def _available_names():
     return [d.name for d in tf.config.list_logical_devices()]
+
+
+def chain_layers(model):
+    """The top-level layers of `model`, which must form a chain.
+
+    Args:
+        model: A `keras.Sequential` or functional model.
+
+    Returns:
+        The layers in order, input layers excluded.
+
+    Raises:
+        ValueError: If the model has several inputs or outputs, a layer is
+            used more than once, or a layer's input is not the previous
+            layer's output (a branch or skip connection).
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> [layer.name for layer in chain_layers(model)]
+    """
+    return [layer for layer, _ in chain_with_outputs(model)]
+
+
+def chain_with_outputs(model):
+    """`[(layer, its output tensor in model)]` of a chain model.
+
+    Args:
+        model: A `keras.Sequential` or functional model.
+
+    Returns:
+        A list of `(layer, output)` pairs in order, input layers excluded.
+
+    Raises:
+        ValueError: As `chain_layers`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> [layer.name for layer, _ in chain_with_outputs(model)]
+    """
+    try:
+        inputs, outputs = model.inputs, model.outputs
+    except (AttributeError, ValueError):
+        inputs = outputs = None
+    if not inputs or not outputs or len(inputs) != 1 or len(outputs) != 1:
+        raise ValueError(
+            "Invalid value for argument `model`. Received: "
+            f"model={model.name!r} with inputs {inputs} and outputs "
+            f"{outputs}. Expected a Sequential or functional model with one "
+            "symbolic input and one output (start a Sequential model with "
+            "`keras.Input(...)`)."
+        )
+    layers = [
+        layer
+        for layer in model.layers
+        if not isinstance(layer, keras.layers.InputLayer)
+    ]
+    tensor, chain = inputs[0], []
+    for layer in layers:
+        # The layer's call on `tensor` (a layer may also be used by other
+        # models; those calls are other nodes).
+        follows = [
+            node
+            for node in _compat.inbound_nodes(layer)
+            if len(tf.nest.flatten(node.input_tensors)) == 1
+            and tf.nest.flatten(node.input_tensors)[0] is tensor
+            and len(tf.nest.flatten(node.output_tensors)) == 1
+        ]
+        if len(follows) != 1:
+            raise ValueError(
+                f"Model {model.name!r} is not a chain of layers: layer "
+                f"{layer.name!r} does not take exactly the previous layer's "
+                "output. The planner splits a sequence of layers into "
+                "contiguous stages; for a model with branches, skip "
+                "connections or shared layers, wrap each branching block in "
+                "its own model (one layer of the chain) or place layers by "
+                "hand with `kh.layers.Placed`."
+            )
+        tensor = tf.nest.flatten(follows[0].output_tensors)[0]
+        chain.append((layer, tensor))
+    if tensor is not outputs[0]:
+        raise ValueError(
+            f"Model {model.name!r} is not a chain of layers: its output is "
+            "not its last layer's output."
+        )
+    return chain

@@ -29,10 +29,12 @@ from keras_hetero import _multi_worker_callbacks
 from keras_hetero import accumulation
 from keras_hetero import aggregation
 from keras_hetero import loss_scale as loss_scale_lib
+from keras_hetero import parameter_server
 from keras_hetero import precision as precision_lib
 from keras_hetero import telemetry
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.callbacks import base as callbacks_base
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 
@@ -147,9 +149,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             communication=communication,
             global_clipnorm=global_clipnorm,
         )
-        if _compat.IS_LEGACY:
-            # Our logs are global and identical on every replica.
-            self.distribute_reduction_method = "first"
+        _compat.logs_are_global(self)
 
     @classmethod
     def from_model(cls, model, **kwargs):
@@ -364,8 +364,6 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def _parameter_server(self):
         """The `ParameterServerRunner` of this model (created once)."""
-        from keras_hetero import parameter_server
-
         hetero = self._hetero
         if getattr(hetero, "parameter_server", None) is None:
             hetero.parameter_server = parameter_server.ParameterServerRunner(
@@ -499,28 +497,25 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def _fit(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("fit")
         if isinstance(kwargs.get("callbacks"), (list, tuple)):
-            kwargs["callbacks"] = _observers_last(kwargs["callbacks"])
+            kwargs["callbacks"] = callbacks_base.observers_last(
+                kwargs["callbacks"]
+            )
         if _distribute.is_parameter_server(self.distribute_strategy):
             x, kwargs = _per_worker_input(
                 x, kwargs, "steps_per_epoch", "validation_steps"
             )
             options = _parameter_server_arguments("fit", x, y, args, kwargs)
             runner = self._parameter_server()
-            checkpoints = _elastic_checkpoints(options.get("callbacks"))
-            if len(checkpoints) > 1:
-                raise ValueError(
-                    "Pass at most one ElasticCheckpoint in `callbacks`; "
-                    f"received {len(checkpoints)}."
-                )
-            if checkpoints:
-                from keras_hetero.callbacks import elastic_checkpoint
-
-                checkpoints[0]._attach(
-                    elastic_checkpoint.ParameterServerInput(runner.num_workers),
-                    list(options["callbacks"]),
-                )
-                checkpoints[0]._restore(self, options)
-            return runner.fit(**options)
+            undo = callbacks_base.prepare_fit(
+                self,
+                parameter_server.ParameterServerInput(runner.num_workers),
+                options.get("callbacks"),
+                options,
+            )
+            try:
+                return runner.fit(**options)
+            finally:
+                undo()
         converted = arrays.fit_arguments(self, x, y, args, kwargs)
         if converted is not None:
             x, y, args, kwargs = converted.pop("x"), None, (), converted
@@ -532,9 +527,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             class_weight = kwargs.pop("class_weight", None)
             # Global batches keep their order; shuffle the examples instead.
             kwargs.setdefault("shuffle", False)
-            if _compat.IS_LEGACY:
-                # tf-keras never re-iterates a distributed dataset: it wants
-                # a repeated one and the steps per epoch.
+            if _compat.REPEATS_DISTRIBUTED_INPUT:
                 kwargs.setdefault("steps_per_epoch", x.num_batches)
                 if kwargs["steps_per_epoch"] is None:
                     raise ValueError(
@@ -545,37 +538,23 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _check_batch_normalization(self, dataset, kwargs.get("callbacks"))
         _check_microbatch_statistics(self)
         _compat.fix_synchronized_batch_norm(self)
-        _attach_input(kwargs.get("callbacks"), dataset, self)
         x = self._as_input(
-            x, repeat=_compat.IS_LEGACY, class_weight=class_weight
+            x,
+            repeat=_compat.REPEATS_DISTRIBUTED_INPUT,
+            class_weight=class_weight,
         )
         validation = kwargs.get("validation_data")
         if isinstance(validation, HeteroDataset):
-            if _compat.IS_LEGACY:
+            if _compat.REPEATS_DISTRIBUTED_INPUT:
                 kwargs.setdefault("validation_steps", validation.num_batches)
             kwargs["validation_data"] = self._as_input(validation)
         if self._hetero.telemetry is not None:
             self._hetero.telemetry.reset()
-        checkpoints = _elastic_checkpoints(kwargs.get("callbacks"))
-        if not checkpoints:
-            return super().fit(x, y, *args, **kwargs)
-        if len(checkpoints) > 1 or not isinstance(dataset, HeteroDataset):
-            raise ValueError(
-                "ElasticCheckpoint needs exactly one ElasticCheckpoint in "
-                "`callbacks` and a `kh.data.HeteroDataset` or numpy arrays "
-                "as `x` (it restores the data position). Received "
-                f"{len(checkpoints)} ElasticCheckpoint(s) and x of type "
-                f"{type(dataset).__name__}."
-            )
-        checkpoint = checkpoints[0]
-        checkpoint._attach(dataset, list(kwargs["callbacks"]))
-        undo = checkpoint._restore(self, kwargs)
+        undo = callbacks_base.prepare_fit(
+            self, dataset, kwargs.get("callbacks"), kwargs
+        )
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", message=_compat.RAN_OUT_OF_DATA
-                )
-                return super().fit(x, y, *args, **kwargs)
+            return super().fit(x, y, *args, **kwargs)
         finally:
             undo()
 
@@ -595,7 +574,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         converted = arrays.evaluate_arguments(self, x, y, args, kwargs)
         if converted is not None:
             x, y, args, kwargs = converted.pop("x"), None, (), converted
-        if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
+        if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
         return super().evaluate(self._as_input(x), y, *args, **kwargs)
@@ -617,7 +596,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         converted = arrays.predict_arguments(self, x, args, kwargs)
         if converted is not None:
             x, args, kwargs = converted.pop("x"), (), converted
-        if isinstance(x, HeteroDataset) and _compat.IS_LEGACY:
+        if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
             if x.num_batches is not None and not args:
                 kwargs.setdefault("steps", x.num_batches)
         return super().predict(self._as_input(x), *args, **kwargs)
@@ -968,9 +947,10 @@ def _check_batch_normalization(model, dataset, callbacks):
             f"replica(s) {np.flatnonzero(shares == 0).tolist()} no rows: "
             f"their statistics would be NaN and poison the weights. {fix}"
         )
-    from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
-
-    moving = any(isinstance(c, ShardRebalancer) for c in callbacks or ())
+    moving = any(
+        isinstance(c, callbacks_base.HeteroCallback) and c.changes_shares
+        for c in callbacks or ()
+    )
     if moving or not np.allclose(shares, shares[0]):
         warnings.warn(
             f"BatchNormalization layer(s) {local} normalise each replica's "
@@ -1001,32 +981,6 @@ def _check_microbatch_statistics(model):
             "batch.",
             stacklevel=3,
         )
-
-
-def _observers_last(callbacks):
-    """Hands observers (`RunReport`, `HeteroTensorBoard`: they have
-    `_observe`) the other callbacks and runs them after those, so they see
-    each step's events and decisions in the same step."""
-    observers = [c for c in callbacks if hasattr(c, "_observe")]
-    others = [c for c in callbacks if not hasattr(c, "_observe")]
-    for observer in observers:
-        observer._observe(others)
-    return others + observers
-
-
-def _attach_input(callbacks, dataset, model):
-    """Hands `fit`'s input to the `ShardRebalancer`s made without one."""
-    from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
-
-    for callback in callbacks or ():
-        if isinstance(callback, ShardRebalancer):
-            callback._attach(dataset, model)
-
-
-def _elastic_checkpoints(callbacks):
-    from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
-
-    return [c for c in callbacks or () if isinstance(c, ElasticCheckpoint)]
 
 
 def _rows(structure, start, end):

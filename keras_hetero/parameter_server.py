@@ -108,7 +108,7 @@ class ParameterServerRunner:
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             self.strategy
         )
-        workers = self.coordinator._cluster.workers
+        workers = _compat.coordinator_workers(self.coordinator)
         self.num_workers = len(workers)
         self.worker_ids = _worker_ids(self.coordinator)
         self.telemetry = WorkerTelemetry(self.num_workers)
@@ -364,19 +364,16 @@ def _worker_ids(coordinator):
     ParameterServerStrategy every worker's input context says pipeline 0.
     A resource is re-created when its worker restarts.
     """
-    from tensorflow.python.distribute.coordinator import values
 
     @tf.function
     def make(index):
         return tf.identity(index)
 
-    return values.PerWorkerValues(
-        tuple(
-            worker.create_resource(
-                make, args=(tf.constant(worker.worker_index, tf.int32),)
-            )
-            for worker in coordinator._cluster.workers
+    return _compat.per_worker_values(
+        worker.create_resource(
+            make, args=(tf.constant(worker.worker_index, tf.int32),)
         )
+        for worker in _compat.coordinator_workers(coordinator)
     )
 
 
@@ -413,3 +410,24 @@ def _due(epoch, frequency):
 
 def _python(logs):
     return {key: float(np.asarray(value)) for key, value in dict(logs).items()}
+
+
+class ParameterServerInput:
+    """What ElasticCheckpoint keeps of the input under
+    ParameterServerStrategy: nothing but the step count.
+
+    Each worker reads its own repeated copy of the data there, so there is
+    no data position to save; a resumed `fit` continues at the saved epoch
+    and step with fresh input (steps are at-least-once anyway).
+    """
+
+    global_batch_size = None
+    num_examples = None
+    num_batches = None
+
+    def __init__(self, num_workers):
+        self.num_replicas = num_workers
+        self.shares = [1.0 / num_workers] * num_workers
+
+    def resume_after(self, examples):
+        del examples  # no position to skip to

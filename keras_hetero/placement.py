@@ -17,6 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from keras_hetero import layers as layers_lib
+from keras_hetero.layers import chain_layers
+
 # A speed-1.0 device's rate for estimated costs, and the link between
 # devices (about PCIe 4.0 x16 in practice).
 DEFAULT_FLOPS_PER_SECOND = 1e11
@@ -91,8 +94,6 @@ class Plan:
 
         >>> plan(model, ["/cpu:0", "/cpu:1"]).apply(model)
         """
-        from keras_hetero import layers as layers_lib
-
         layers = chain_layers(model)
         names = [layer.name for layer in layers]
         planned = [name for stage in self.stages for name in stage.layers]
@@ -231,7 +232,7 @@ def plan(
     ... )
     >>> plan(model, ["/cpu:0", "/cpu:1"], device_speeds=[1.0, 2.0]).stages
     """
-    chain = _chain(model)
+    chain = layers_lib.chain_with_outputs(model)
     layers = [layer for layer, _ in chain]
     names = [layer.name for layer in layers]
     devices = list(devices)
@@ -365,82 +366,6 @@ def partition(costs, memory, input_seconds, speeds, capacity, names=None):
         f"least extra memory, {'; '.join(short)}. Add memory there, use "
         "more devices, or shrink the batch or the model."
     )
-
-
-def chain_layers(model):
-    """The top-level layers of `model`, which must form a chain.
-
-    Args:
-        model: A `keras.Sequential` or functional model.
-
-    Returns:
-        The layers in order, input layers excluded.
-
-    Raises:
-        ValueError: If the model has several inputs or outputs, a layer is
-            used more than once, or a layer's input is not the previous
-            layer's output (a branch or skip connection).
-
-    Example:
-
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> [layer.name for layer in chain_layers(model)]
-    """
-    return [layer for layer, _ in _chain(model)]
-
-
-def _chain(model):
-    """`[(layer, its output in model)]` of a chain model (see chain_layers)."""
-    import tensorflow as tf
-
-    from keras_hetero._compat import keras
-
-    try:
-        inputs, outputs = model.inputs, model.outputs
-    except (AttributeError, ValueError):
-        inputs = outputs = None
-    if not inputs or not outputs or len(inputs) != 1 or len(outputs) != 1:
-        raise ValueError(
-            "Invalid value for argument `model`. Received: "
-            f"model={model.name!r} with inputs {inputs} and outputs "
-            f"{outputs}. Expected a Sequential or functional model with one "
-            "symbolic input and one output (start a Sequential model with "
-            "`keras.Input(...)`)."
-        )
-    layers = [
-        layer
-        for layer in model.layers
-        if not isinstance(layer, keras.layers.InputLayer)
-    ]
-    tensor, chain = inputs[0], []
-    for layer in layers:
-        # The layer's call on `tensor` (a layer may also be used by other
-        # models; those calls are other nodes).
-        follows = [
-            node
-            for node in getattr(layer, "_inbound_nodes", None) or []
-            if len(tf.nest.flatten(node.input_tensors)) == 1
-            and tf.nest.flatten(node.input_tensors)[0] is tensor
-            and len(tf.nest.flatten(node.output_tensors)) == 1
-        ]
-        if len(follows) != 1:
-            raise ValueError(
-                f"Model {model.name!r} is not a chain of layers: layer "
-                f"{layer.name!r} does not take exactly the previous layer's "
-                "output. The planner splits a sequence of layers into "
-                "contiguous stages; for a model with branches, skip "
-                "connections or shared layers, wrap each branching block in "
-                "its own model (one layer of the chain) or place layers by "
-                "hand with `kh.layers.Placed`."
-            )
-        tensor = tf.nest.flatten(follows[0].output_tensors)[0]
-        chain.append((layer, tensor))
-    if tensor is not outputs[0]:
-        raise ValueError(
-            f"Model {model.name!r} is not a chain of layers: its output is "
-            "not its last layer's output."
-        )
-    return chain
 
 
 def _dynamic_program(layers, devices, stage_value, combine):

@@ -83,7 +83,7 @@ class TensorflowConfig(_RayTensorflowConfig):
     """
 
     legacy_keras: bool = dataclasses.field(
-        default_factory=lambda: _compat.IS_LEGACY
+        default_factory=lambda: _compat.FLAVOUR == "tf-keras"
     )
 
     @property
@@ -177,7 +177,7 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
 
     # --- restore ------------------------------------------------------------
 
-    def _restore(self, model, kwargs):
+    def prepare_fit(self, context):
         try:
             ray.train.get_context()
         except RuntimeError:
@@ -190,7 +190,7 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         if not checkpointing.list_checkpoints(self.directory):
             self._fetch()
         self._since_report = 0
-        return super()._restore(model, kwargs)
+        return super().prepare_fit(context)
 
     def _fetch(self):
         """Copies Ray's latest checkpoint, if any, into `directory`."""
@@ -214,19 +214,19 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
 
     # --- reporting ----------------------------------------------------------
 
-    def _due(self):
+    def save_due(self):
         return False  # saves happen at report points only
 
     def on_train_batch_end(self, batch, logs=None):
-        before = self._global_step
+        before = self.global_step
         super().on_train_batch_end(batch, logs)
         # Steps, not calls: one call runs `steps_per_execution` steps.
-        self._since_report += self._global_step - before
+        self._since_report += self.global_step - before
         # The last step of an epoch reports in `on_epoch_end`, with the
         # epoch's logs (validation, shares, straggler scores).
         if (
             self._since_report >= self.save_every.steps
-            and not self._epoch_complete()
+            and not self.epoch_complete
         ):
             self._report(logs)
 
@@ -244,15 +244,15 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         """Reports metrics on every worker; the chief attaches a checkpoint
         of the current step unless nothing was trained since the last one."""
         checkpoint = None
-        if self._since_report and self._chief:
-            name = checkpointing.checkpoint_name(self._global_step)
+        if self._since_report and self.is_chief:
+            name = checkpointing.checkpoint_name(self.global_step)
             path = os.path.join(self.directory, name)
             if not os.path.isdir(path):
-                self._save(wait=True)
+                self.save_now()
             checkpoint = ray.train.Checkpoint.from_directory(path)
         metrics = _scalars(logs)
-        metrics["epoch"] = self._epoch if epoch is None else epoch
-        metrics["step"] = self._global_step
+        metrics["epoch"] = self.epoch if epoch is None else epoch
+        metrics["step"] = self.global_step
         ray.train.report(
             metrics,
             checkpoint=checkpoint,

@@ -118,13 +118,22 @@ def test_bad_arguments():
             kh.callbacks.ShardRebalancer(data, **kwargs)
 
 
-def test_state_round_trip_carries_shares():
+def test_the_dataset_state_carries_shares_and_the_rebalancer_its_readings():
     data = kh.data.shard(
         helpers.examples(), 16, strategy=helpers.mirrored(DEVICES[:2])
     )
     rebalancer = kh.callbacks.ShardRebalancer(data)
     data.shares = [0.7, 0.3]
-    state = rebalancer.get_state()
+    state, data_state = rebalancer.get_state(), data.get_state()
+    assert "schedule" not in state
     data.shares = [0.5, 0.5]
     rebalancer.set_state(state)
+    np.testing.assert_allclose(data.shares, [0.5, 0.5])
+    data.set_state(data_state)
     np.testing.assert_allclose(data.shares, [0.7, 0.3])
+    # A rebalancer state written by 0.1.0 held the schedule: still restored.
+    data.shares = [0.5, 0.5]
+    rebalancer.set_state({**state, **data_state})
+    np.testing.assert_allclose(data.shares, [0.7, 0.3])
+    with pytest.raises(ValueError, match="HeteroDataset.get_state"):
+        data.set_state({"changes": []})

@@ -1,5 +1,8 @@
-"""Callbacks that act on HeteroModel telemetry."""
+"""keras-hetero's callbacks, and the protocol by which `HeteroModel.fit`
+prepares them (`HeteroCallback`, `FitContext`)."""
 
+from keras_hetero.callbacks.base import FitContext
+from keras_hetero.callbacks.base import HeteroCallback
 from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
 from keras_hetero.callbacks.hetero_tensorboard import HeteroTensorBoard
 from keras_hetero.callbacks.run_report import RunReport
@@ -9,6 +12,8 @@ from keras_hetero.straggler import StragglerEvent
 
 __all__ = [
     "ElasticCheckpoint",
+    "FitContext",
+    "HeteroCallback",
     "HeteroTensorBoard",
     "RunReport",
     "ShardRebalancer",

@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from keras_hetero._compat import keras
+from keras_hetero.callbacks import base
 from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
 from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
 from keras_hetero.callbacks.straggler_detector import StragglerDetector
@@ -88,13 +88,17 @@ class Sources:
         return scalars
 
 
-class Observer(keras.callbacks.Callback):
-    """Base of callbacks that `HeteroModel.fit` runs after the others and
-    hands them (it calls `_observe` before `fit` starts)."""
+class Observer(base.HeteroCallback):
+    """Base of callbacks that watch the others: `HeteroModel.fit` runs them
+    after the others (stage `"observe"`) and hands them the others."""
+
+    stage = "observe"
 
     def __init__(self):
         super().__init__()
         self._sources = Sources(())
 
-    def _observe(self, callbacks):
-        self._sources = Sources(callbacks)
+    def prepare_fit(self, context):
+        self._sources = Sources(
+            c for c in context.callbacks if not isinstance(c, Observer)
+        )

@@ -14,16 +14,18 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import checkpointing
 from keras_hetero._checks import check_int
-from keras_hetero._compat import keras
+from keras_hetero.callbacks import base
 from keras_hetero.data import reproducibility
+from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import mechanism_before_record
+from keras_hetero.parameter_server import ParameterServerInput
 
 logger = logging.getLogger("keras_hetero")
 
 RESIZE = ("keep_global_batch", "scale_learning_rate")
 
 
-class ElasticCheckpoint(keras.callbacks.Callback):
+class ElasticCheckpoint(base.HeteroCallback):
     """Saves training so a restarted job continues at the exact next step.
 
     Pass it to `HeteroModel.fit` with a `kh.data.HeteroDataset`. On every
@@ -114,6 +116,8 @@ class ElasticCheckpoint(keras.callbacks.Callback):
     """
 
     PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect
+    stage = "restore"  # after the callbacks that attach to the input
+    needs_data_position = True
 
     def __init__(
         self,
@@ -145,7 +149,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self.signals = tuple(signals)
         self.approximate_resume = bool(approximate_resume)
         self._warned_approximate = set()
-        _check_directory(self.directory, write=_chief_from_env())
+        _check_directory(self.directory, write=_distribute.env_task().is_chief)
         self._writer = None
         self._error = None
         self._lock = threading.Lock()
@@ -157,20 +161,57 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         self._dataset = None
         self._reset_counters()
 
-    # --- what HeteroModel.fit calls ----------------------------------------
+    # --- what HeteroModel.fit calls (the HeteroCallback protocol) ---------
 
-    def _attach(self, dataset, callbacks):
-        """Called by `HeteroModel.fit` with its dataset and callbacks.
+    def prepare_fit(self, context):
+        """Restores the newest valid checkpoint before `fit` trains.
+
+        Subclasses that fetch checkpoints from elsewhere override it and
+        call `super().prepare_fit(context)` (as `kh.ray.ElasticCheckpoint`
+        does).
+
+        Args:
+            context: The `kh.callbacks.FitContext` of this `fit`.
+
+        Returns:
+            A function that undoes the changes to `fit`'s arguments.
 
         Raises:
-            ValueError: If the dataset's examples cannot be resumed exactly
-                and `approximate_resume` is False.
+            ValueError: For another `ElasticCheckpoint` in the same `fit`,
+                an input without a data position, examples that cannot be
+                resumed exactly, or a checkpoint of another model.
         """
+        count = sum(isinstance(c, ElasticCheckpoint) for c in context.callbacks)
+        dataset = context.input
+        if count > 1 or not isinstance(
+            dataset, (HeteroDataset, ParameterServerInput)
+        ):
+            raise ValueError(
+                "ElasticCheckpoint needs exactly one ElasticCheckpoint in "
+                "`callbacks` and a `kh.data.HeteroDataset` or numpy arrays "
+                "as `x` (it restores the data position). Received "
+                f"{count} ElasticCheckpoint(s) and x of type "
+                f"{type(dataset).__name__}."
+            )
         self._check_reproducible(dataset)
         self._dataset = dataset
         self._companions = [
-            c for c in callbacks if c is not self and hasattr(c, "get_state")
+            c
+            for c in context.callbacks
+            if c is not self and isinstance(c, base.HeteroCallback)
         ]
+        undo_arguments = self._restore(context.model, context.fit_kwargs)
+        # A resumed epoch ends early on purpose: Keras 3's warning that the
+        # input ran out of data is not for the user.
+        quiet = warnings.catch_warnings()
+        quiet.__enter__()
+        warnings.filterwarnings("ignore", message=_compat.RAN_OUT_OF_DATA)
+
+        def undo():
+            quiet.__exit__(None, None, None)
+            undo_arguments()
+
+        return undo
 
     def _check_reproducible(self, dataset):
         find = getattr(dataset, "unreproducible_stages", None)
@@ -432,7 +473,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             # After the companions' own on_train_begin reset them.
             states, self._pending_states = self._pending_states, None
             for companion in self._companions:
-                state = states.get(type(companion).__name__)
+                state = states.get(companion.checkpoint_key)
                 if state is not None:
                     companion.set_state(state)
 
@@ -450,7 +491,7 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             self.save_now()
             self.model.stop_training = True
             return
-        if self._chief and self._due():
+        if self._chief and self.save_due():
             self._save(wait=not self.async_save)
 
     def _steps_of_call(self, batch):
@@ -493,11 +534,18 @@ class ElasticCheckpoint(keras.callbacks.Callback):
 
         Waits for a save in flight first. Other workers do nothing.
         """
-        if getattr(self, "_chief", True) and self.model is not None:
+        if self.is_chief and self.model is not None:
             self._join()
             self._save(wait=True)
 
-    def _due(self):
+    def save_due(self):
+        """Whether the chief saves at the end of the current step, by
+        `save_every` (a subclass that saves at other points, as
+        `kh.ray.ElasticCheckpoint` does at its reports, returns False).
+
+        Returns:
+            True if a save is due and none is in flight.
+        """
         if self._writer is not None and self._writer.is_alive():
             return False  # at most one save in flight
         every = self.save_every
@@ -509,6 +557,26 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         if self._cost is None:
             return True  # measure the cost once, early
         return elapsed >= self.interval
+
+    @property
+    def global_step(self):
+        """Train steps done, counted across restarts."""
+        return self._global_step
+
+    @property
+    def epoch(self):
+        """The epoch being trained (or the last one, after `fit`)."""
+        return self._epoch
+
+    @property
+    def epoch_complete(self):
+        """Whether the current epoch's last step ran."""
+        return self._epoch_complete()
+
+    @property
+    def is_chief(self):
+        """Whether this process writes the checkpoints (set by `fit`)."""
+        return getattr(self, "_chief", True)
 
     @property
     def interval(self):
@@ -560,8 +628,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
             "shuffle_mechanism": getattr(dataset, "shuffle_mechanism", None),
             "data_pass": self._data_pass(epoch),
             "callbacks": {
-                type(c).__name__: _plain(_without_schedule(c.get_state()))
-                for c in self._companions
+                c.checkpoint_key: _plain(state)
+                for c, state in ((c, c.get_state()) for c in self._companions)
+                if state is not None
             },
             "variables": names,
             "shapes": [list(v.shape) for v in variables],
@@ -678,33 +747,9 @@ class ElasticCheckpoint(keras.callbacks.Callback):
         }
 
 
-class ParameterServerInput:
-    """What ElasticCheckpoint keeps of the input under
-    ParameterServerStrategy: nothing but the step count.
-
-    Each worker reads its own repeated copy of the data there, so there is
-    no data position to save; a resumed `fit` continues at the saved epoch
-    and step with fresh input (steps are at-least-once anyway).
-    """
-
-    global_batch_size = None
-    num_examples = None
-    num_batches = None
-
-    def __init__(self, num_workers):
-        self.num_replicas = num_workers
-        self.shares = [1.0 / num_workers] * num_workers
-
-    def resume_after(self, examples):
-        del examples  # no position to skip to
-
-
 def _learning_rate(optimizer):
     """The optimizer's learning rate as a float, or None for a schedule."""
-    schedule = keras.optimizers.schedules.LearningRateSchedule
-    if optimizer is None or isinstance(
-        getattr(optimizer, "_learning_rate", None), schedule
-    ):
+    if optimizer is None or _compat.has_learning_rate_schedule(optimizer):
         return None
     rate = optimizer.learning_rate
     try:
@@ -715,14 +760,6 @@ def _learning_rate(optimizer):
 
 def _ema(old, new, weight=0.3):
     return new if old is None else (1 - weight) * old + weight * new
-
-
-def _without_schedule(state):
-    # The share schedule is keyed by this process's input passes; the
-    # checkpoint carries the shares in force instead.
-    if isinstance(state, dict):
-        return {k: v for k, v in state.items() if k != "schedule"}
-    return state
 
 
 def _plain(value):
@@ -744,18 +781,6 @@ def _to_builtin(value):
 def _summary(names, shapes, limit=3):
     head = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes[:limit]))
     return head + (", ..." if len(names) > limit else "")
-
-
-def _chief_from_env():
-    try:
-        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    except ValueError:
-        return True
-    task = config.get("task") or {}
-    cluster = config.get("cluster") or {}
-    if "chief" in cluster:
-        return task.get("type") == "chief"
-    return not task.get("index", 0)
 
 
 def _check_directory(directory, write):

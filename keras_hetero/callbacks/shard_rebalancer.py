@@ -2,13 +2,14 @@
 
 import numpy as np
 
+from keras_hetero import _distribute
 from keras_hetero import rebalance
 from keras_hetero._checks import check_int
-from keras_hetero._compat import keras
+from keras_hetero.callbacks import base
 from keras_hetero.data.shard import HeteroDataset
 
 
-class ShardRebalancer(keras.callbacks.Callback):
+class ShardRebalancer(base.HeteroCallback):
     """Sets a HeteroDataset's shares in proportion to measured replica speed.
 
     After every train batch it reads `model.step_stats` (rows and compute
@@ -117,12 +118,32 @@ class ShardRebalancer(keras.callbacks.Callback):
         self.lag = lag
         self._reset()
 
-    def _attach(self, dataset, model):
-        """Called by `HeteroModel.fit` with its input, before training."""
+    stage = "input"
+    changes_shares = True
+
+    def prepare_fit(self, context):
+        """Takes `fit`'s input when made without a dataset (the
+        `kh.callbacks.HeteroCallback` protocol).
+
+        Args:
+            context: The `kh.callbacks.FitContext` of this `fit`.
+
+        Raises:
+            ValueError: If `fit`'s input is not a `kh.data.HeteroDataset`
+                (or arrays, which `fit` shards into one), or `min_share`
+                does not fit its replicas.
+        """
         if self._given is not None:
             return
-        if model.distribute_strategy.num_replicas_in_sync == 1:
-            self.dataset = None  # one replica: nothing to balance
+        dataset, model = context.input, context.model
+        strategy = model.distribute_strategy
+        if (
+            strategy.num_replicas_in_sync == 1
+            or _distribute.is_parameter_server(strategy)
+        ):
+            # One replica, or workers that each step on whole batches as
+            # they are free: nothing to balance.
+            self.dataset = None
             return
         if not isinstance(dataset, HeteroDataset):
             raise ValueError(
@@ -220,26 +241,26 @@ class ShardRebalancer(keras.callbacks.Callback):
                 logs[f"share/replica_{replica}"] = float(share)
 
     def get_state(self):
-        """Plain-data state, for checkpoints (see `set_state`)."""
-        state = {
+        """Plain-data state, for checkpoints (see `set_state`): the speed
+        readings and step counters. The shares are the dataset's own state
+        (`HeteroDataset.get_state`)."""
+        return {
             "readings": self._speeds.readings.tolist(),
             "steps": self._steps,
             "since_decision": self._since_decision,
         }
-        if self.dataset is not None:
-            state["schedule"] = self.dataset._schedule.get_state()
-        return state
 
     def set_state(self, state):
-        """Restores `get_state()` output (and the dataset's share schedule,
-        if the state has one; `ElasticCheckpoint` restores shares itself)."""
+        """Restores `get_state()` output. A state saved by keras-hetero
+        0.1.0 also holds the dataset's share schedule (`"schedule"`); it is
+        handed to the dataset."""
         self._speeds = rebalance.SpeedWindow(
             np.asarray(state["readings"], np.float64)
         )
         self._steps = int(state["steps"])
         self._since_decision = int(state["since_decision"])
         if "schedule" in state and self.dataset is not None:
-            self.dataset._schedule.set_state(state["schedule"])
+            self.dataset.set_state({"schedule": state["schedule"]})
 
 
 def _check_min_share(min_share, dataset):

@@ -7,10 +7,12 @@ import time
 
 import numpy as np
 
+from keras_hetero import _compat
+from keras_hetero import _distribute
 from keras_hetero import _summary
 from keras_hetero import straggler
 from keras_hetero._checks import check_int
-from keras_hetero._compat import keras
+from keras_hetero.callbacks import base
 
 logger = logging.getLogger("keras_hetero")
 
@@ -18,7 +20,7 @@ logger = logging.getLogger("keras_hetero")
 ACTIONS = ("warn", "rebalance", "checkpoint", "stop")
 
 
-class StragglerDetector(keras.callbacks.Callback):
+class StragglerDetector(base.HeteroCallback):
     """Scores every replica's speed each step and reports stragglers.
 
     With a `HeteroModel` it reads `model.step_stats` (every replica of every
@@ -263,7 +265,12 @@ class StragglerDetector(keras.callbacks.Callback):
             return stats.rows, stats.compute_seconds, stats.steps, stats.devices
         # Plain keras.Model: this worker's wall time per batch, one "row".
         seconds = time.perf_counter() - (self._batch_start or 0.0)
-        return np.array([1]), np.array([seconds]), 1, [_this_worker_name()]
+        return (
+            np.array([1]),
+            np.array([seconds]),
+            1,
+            [_distribute.env_task().device_job],
+        )
 
     def on_epoch_end(self, epoch, logs=None):
         scalars = self.scalars()
@@ -364,14 +371,6 @@ def _worker_of(replica, devices):
     return int(spec.task or 0)
 
 
-def _this_worker_name():
-    import json
-
-    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
-    task = config.get("task", {})
-    return f"/job:{task.get('type', 'worker')}/task:{task.get('index', 0)}"
-
-
 class _Watchdog:
     """Reports workers that have not reached the current step in time.
 
@@ -392,7 +391,8 @@ class _Watchdog:
         self._thread = threading.Thread(
             target=self._run, name="keras_hetero-watchdog", daemon=True
         )
-        self._workers, self._task = _cluster()
+        task = _distribute.env_task()
+        self._workers, self._task = task.num_workers, task.worker_index
 
     def start(self):
         self._thread.start()
@@ -441,15 +441,6 @@ class _Watchdog:
                 os._exit(StragglerDetector.HANG_EXIT_CODE)
 
 
-def _cluster():
-    import json
-
-    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
-    cluster = config.get("cluster", {})
-    workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
-    return max(workers, 1), int(config.get("task", {}).get("index", 0))
-
-
 def _progress_key(task, step):
     return f"keras_hetero/progress/{task}/{step}"
 
@@ -457,26 +448,14 @@ def _progress_key(task, step):
 def _publish(task, step, previous):
     """Marks that worker `task` started step `step` and drops its mark of
     step `previous` (`step - k` with `steps_per_execution=k`; 0: none)."""
-    from tensorflow.python.eager import context
-
     try:
-        context.context().set_config_key_value(_progress_key(task, step), "1")
+        _compat.set_coordination_value(_progress_key(task, step), "1")
         if previous:
-            context.context().delete_config_key_value(
-                _progress_key(task, previous)
-            )
+            _compat.delete_coordination_value(_progress_key(task, previous))
     except Exception:  # no coordination service (single worker)
         pass
 
 
 def _reached(task, step):
     """Whether worker `task` has started step `step` (waits up to 2 s)."""
-    from tensorflow.python.eager import context
-
-    try:
-        context.context().get_config_key_value(
-            _progress_key(task, step), timeout_in_ms=2000
-        )
-        return True
-    except Exception:
-        return False
+    return _compat.has_coordination_value(_progress_key(task, step), 2000)

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_hetero import _compat
 from keras_hetero._compat import keras
+from keras_hetero.callbacks.base import HeteroCallback
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import check_seed
 
@@ -227,14 +228,16 @@ def converts(model, callbacks=None):
 
     With several replicas, yes: that is how rows follow shares and training
     equals one device on the same global batches. With one replica, only if
-    an `ElasticCheckpoint` needs the data position; otherwise Keras' own
-    array adapter runs, so numbers (and Keras' shuffle) are stock Keras'.
+    a callback needs the data position (`ElasticCheckpoint`); otherwise
+    Keras' own array adapter runs, so numbers (and Keras' shuffle) are stock
+    Keras'.
     """
     if model.distribute_strategy.num_replicas_in_sync > 1:
         return True
-    from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
-
-    return any(isinstance(c, ElasticCheckpoint) for c in callbacks or ())
+    return any(
+        isinstance(c, HeteroCallback) and c.needs_data_position
+        for c in callbacks or ()
+    )
 
 
 def fit_arguments(model, x, y, args, kwargs):

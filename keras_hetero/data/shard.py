@@ -148,6 +148,39 @@ class HeteroDataset:
     def shares(self, value):
         self.set_shares(value)
 
+    def get_state(self):
+        """The share schedule as plain data: the shares in force and the
+        changes still to come, keyed by this process's input passes.
+
+        Returns:
+            A JSON-serialisable dict for `set_state`.
+
+        Example:
+
+        >>> state = data.get_state()  # doctest: +SKIP
+        >>> data.set_state(state)  # doctest: +SKIP
+        """
+        return {"schedule": self._schedule.get_state()}
+
+    def set_state(self, state):
+        """Restores what `get_state` returned (same process: the passes of
+        the schedule are this process's; after a restart,
+        `ElasticCheckpoint` restores the shares instead).
+
+        Args:
+            state: A dict from `get_state`.
+
+        Raises:
+            ValueError: If `state` has no `"schedule"`.
+        """
+        if not isinstance(state, dict) or "schedule" not in state:
+            raise ValueError(
+                "Invalid value for argument `state`. Received: "
+                f"state={state!r}. Expected a dict from "
+                "`HeteroDataset.get_state()`."
+            )
+        self._schedule.set_state(state["schedule"])
+
     def set_shares(self, shares, from_batch=None):
         """Changes the split from global batch `from_batch` onwards.
 
@@ -285,7 +318,9 @@ class HeteroDataset:
                     # replica per global batch, and TF reports that count
                     # as the dataset's cardinality; Keras reads it as steps
                     # per epoch.
-                    distributed._cardinality = self.num_batches
+                    _compat.set_steps_of_distributed_dataset(
+                        distributed, self.num_batches
+                    )
             self._distributed[key] = distributed
         return self._distributed[key]
 

@@ -138,7 +138,7 @@ class SimulatedSpeed(keras.layers.Layer):
         # before its element), and the speeds are fixed when the step is
         # traced (`seconds_per_row` indexes workers).
         strategy = tf.distribute.get_strategy()
-        workers = strategy.extended._num_workers
+        workers = _distribute.num_workers(strategy)
         for index in range(workers):
             self._device_by_replica[index] = (
                 f"/job:worker/replica:0/task:{index}/device:CPU:0"
@@ -166,7 +166,7 @@ def _tf_sleep(microseconds):
     """Sleeps in a TensorFlow op (on whatever device runs it); returns 0."""
     start = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
     variant = tf.raw_ops.SleepDataset(
-        input_dataset=start._variant_tensor,
+        input_dataset=tf.data.experimental.to_variant(start),
         sleep_microseconds=microseconds,
         output_types=[tf.int64],
         output_shapes=[[]],

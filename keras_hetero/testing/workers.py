@@ -4,11 +4,12 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import time
 import traceback
+
+from keras_hetero.launcher import free_ports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,20 +35,6 @@ class WorkerError(RuntimeError):
     def __init__(self, message, results):
         super().__init__(message)
         self.results = results
-
-
-def free_ports(count):
-    """`count` distinct free TCP ports on 127.0.0.1."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def cluster_config(num_workers, ports=None):

@@ -1,0 +1,296 @@
+"""The package's layout rules (docs/how-it-works.md, "Where things live").
+
+- Flavour branches and private TensorFlow/Keras internals live in
+  `keras_hetero/_compat.py` only.
+- No import cycle between keras_hetero's modules, counting imports inside
+  functions (they hide a cycle, they do not remove it).
+- Every module imports on its own, in a fresh interpreter.
+- `TF_CONFIG` is parsed in one place (`_distribute.env_task`).
+"""
+
+import ast
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from keras_hetero import _distribute
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_hetero"
+COMPAT = {"keras_hetero._compat"}
+
+# Modules only the compat layer may import.
+INTERNAL_MODULES = ("tf_keras", "keras.src", "tensorflow.python")
+# Private attributes of TensorFlow / Keras objects that keras_hetero reads or
+# sets (each behind a function of `_compat`); found by reading the code.
+# keras_hetero's own private names are not listed.
+INTERNAL_ATTRIBUTES = {
+    "IS_LEGACY",  # the flavour switch itself
+    "_in_multi_worker_mode",
+    "_num_workers",
+    "_cluster",
+    "_cardinality",
+    "_inbound_nodes",
+    "_variant_tensor",
+    "_learning_rate",
+    "_as_serialized_graph",
+    "_distribution_strategy",
+}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def _is_package(name):
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return (path / "__init__.py").is_file()
+
+
+def _exists(name):
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or _is_package(name)
+
+
+def _imports(name, path):
+    """The keras_hetero modules `name` imports (anywhere in its code)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = []
+            for alias in node.names:
+                # `from keras_hetero import _compat` imports a module;
+                # `from keras_hetero.data import shard` may be either.
+                child = f"{base}.{alias.name}"
+                targets.append(child if _exists(child) else base)
+        else:
+            continue
+        found.update(t for t in targets if t.split(".")[0] == "keras_hetero")
+    found.discard(name)
+    return found
+
+
+def test_internals_and_flavour_branches_live_in_compat_only():
+    offences = []
+    for name, path in _modules():
+        if name in COMPAT:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(PACKAGE.parent)}:{node_line(node)}"
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                modules = []
+            for module in modules:
+                if module.startswith(INTERNAL_MODULES):
+                    offences.append(f"{where} imports {module}")
+            if isinstance(node, ast.Attribute):
+                if node.attr in INTERNAL_ATTRIBUTES:
+                    offences.append(f"{where} uses .{node.attr}")
+            if isinstance(node, ast.Constant) and node.value in (
+                INTERNAL_ATTRIBUTES
+            ):
+                offences.append(f"{where} names {node.value!r}")
+    assert not offences, "move these into keras_hetero/_compat.py:\n" + (
+        "\n".join(offences)
+    )
+
+
+def node_line(node):
+    return getattr(node, "lineno", "?")
+
+
+def test_the_rule_finds_what_it_looks_for(tmp_path):
+    # The scan above must see an internal in a function body.
+    source = (
+        "def f(strategy):\n"
+        "    from tensorflow.python.eager import context\n"
+        "    return strategy.extended._in_multi_worker_mode()\n"
+    )
+    tree = ast.parse(source)
+    seen = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+    }
+    assert "_in_multi_worker_mode" in seen & INTERNAL_ATTRIBUTES
+    assert any(str(m).startswith(INTERNAL_MODULES) for m in seen)
+
+
+def _cycles(graph):
+    """Every strongly connected component of more than one module."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _graph():
+    graph = {}
+    for name, path in _modules():
+        targets = _imports(name, path)
+        # A package's `__init__` re-exports its submodules: importing the
+        # package imports them, so an edge from a submodule back to its own
+        # package is not a cycle of code, only of re-exports.
+        graph[name] = {
+            t
+            for t in targets
+            if not (name.startswith(t + ".") and _is_package(t))
+        }
+    return graph
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
+    assert not cycles, f"import cycles (counting function-level): {cycles}"
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c"]
+    ]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_each_module_imports_alone_in_a_fresh_interpreter():
+    # One fresh interpreter imports TensorFlow and the selected Keras, then
+    # forks one child per module; each child imports only its module (so
+    # an import that works only after another module was imported fails).
+    names = [name for name, _ in _modules()]
+    script = (
+        "import importlib, os, sys\n"
+        "import tensorflow\n"
+        "if os.environ.get('TF_USE_LEGACY_KERAS', '0') in ('1', 'true'):\n"
+        "    import tf_keras\n"
+        "else:\n"
+        "    import keras\n"
+        "failed = []\n"
+        "for name in sys.argv[1:]:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            importlib.import_module(name)\n"
+        "        except BaseException as error:\n"
+        "            print(name, type(error).__name__, error, flush=True)\n"
+        "            os._exit(1)\n"
+        "        os._exit(0)\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "    if status:\n"
+        "        failed.append(name)\n"
+        "print('FAILED', failed)\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *names],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=PACKAGE.parent,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "FAILED []" in result.stdout
+
+
+def test_every_module_is_listed():
+    # The scans above cover the whole package (a module missed by the walk
+    # would escape every rule).
+    names = {name for name, _ in _modules()}
+    assert {"keras_hetero", "keras_hetero._compat", "keras_hetero.model"} <= (
+        names
+    )
+    assert all(importlib.util.find_spec(name) for name in names)
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (None, (None, 0, 1, 0, True, "/job:worker/task:0")),
+        ("not json", (None, 0, 1, 0, True, "/job:worker/task:0")),
+        (
+            '{"cluster": {"worker": ["a:1", "b:2"]},'
+            ' "task": {"type": "worker", "index": 1}}',
+            ("worker", 1, 2, 1, False, "/job:worker/task:1"),
+        ),
+        (
+            '{"cluster": {"chief": ["c:0"], "worker": ["a:1", "b:2"]},'
+            ' "task": {"type": "worker", "index": 0}}',
+            ("worker", 0, 3, 1, False, "/job:worker/task:0"),
+        ),
+        (
+            '{"cluster": {"chief": ["c:0"], "worker": ["a:1"]},'
+            ' "task": {"type": "chief", "index": 0}}',
+            ("chief", 0, 2, 0, True, "/job:chief/task:0"),
+        ),
+    ],
+)
+def test_env_task_reads_tf_config(config, expected):
+    environ = {} if config is None else {"TF_CONFIG": config}
+    task = _distribute.env_task(environ)
+    assert (
+        task.task_type,
+        task.task_index,
+        task.num_workers,
+        task.worker_index,
+        task.is_chief,
+        task.device_job,
+    ) == expected
+
+
+def test_tf_config_is_parsed_in_one_place():
+    readers = []
+    for name, path in _modules():
+        text = path.read_text()
+        if "TF_CONFIG" in text and "json.loads" in text:
+            tree = ast.parse(text)
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and getattr(node.func, "attr", "") == "loads"
+                ):
+                    readers.append(name)
+                    break
+    assert readers == ["keras_hetero._distribute"], readers
