@@ -799,6 +799,7 @@ class _WrappedModel(HeteroModel):
     def __init__(self, model, **kwargs):
         super().__init__(**kwargs)
         self.wrapped = model
+        self._optimizer_shared = False
 
     def call(self, inputs, training=None, mask=None):
         if mask is None:
@@ -806,18 +807,37 @@ class _WrappedModel(HeteroModel):
         return self.wrapped(inputs, training=training, mask=mask)
 
     def get_config(self):
-        return {
+        config = {
             **super().get_config(),
             "model": keras.saving.serialize_keras_object(self.wrapped),
         }
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and (
+            getattr(self.wrapped, "optimizer", None) is optimizer
+        ):
+            config["shares_optimizer"] = True
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        shared = config.pop("shares_optimizer", False)
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        return cls(model, **config)
+        wrapper = cls(model, **config)
+        wrapper._optimizer_shared = shared
+        return wrapper
+
+    def compile_from_config(self, config):
+        # `from_model` of a compiled model shares its optimizer, so Keras
+        # saves the optimizer's variables once, under the wrapped model (its
+        # layers come first in the walk). Loading gives the wrapped model an
+        # optimizer of its own from its compile config, which would take
+        # them, leaving this model's new optimizer without its state.
+        super().compile_from_config(config)
+        if self._optimizer_shared and self.optimizer is not None:
+            self.wrapped.optimizer = self.optimizer
 
 
 def _derive_from_functional(cls):

@@ -7,6 +7,7 @@ import os
 import helpers
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
@@ -137,3 +138,52 @@ class _StopAfter(keras.callbacks.Callback):
         self.done += 1
         if self.done == self.steps:
             self.model.stop_training = True
+
+
+@keras.saving.register_keras_serializable("test_saving_state")
+class TwoDense(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def _non_functional(kind):
+    if kind == "sequential":
+        return keras.Sequential(
+            [keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]
+        )
+    return TwoDense()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("kind", ["sequential", "subclassed"])
+def test_from_model_of_compiled_non_functional_model_keeps_optimizer(
+    tmp_path, kind, replicas
+):
+    x, y, _, _ = helpers.arrays()
+    strategy = (
+        helpers.mirrored(DEVICES[:2])
+        if replicas == 2
+        else tf.distribute.get_strategy()
+    )
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        base = _non_functional(kind)
+        base.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model = kh.HeteroModel.from_model(base)
+    model.fit(x, y, batch_size=16, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    with strategy.scope():
+        loaded = keras.saving.load_model(path)
+    assert int(loaded.optimizer.iterations.numpy()) == 5
+    _assert_same_state(_state(loaded), _state(model))
+
+    for trained in (model, loaded):
+        trained.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == 15
+    _assert_same_state(_state(loaded), _state(model))
