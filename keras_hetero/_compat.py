@@ -10,6 +10,7 @@ upstream bug it works around.
 """
 
 import os
+import threading
 
 import tensorflow as tf
 
@@ -187,12 +188,72 @@ def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
         if num_replicas > 1:
             loss = loss * tf.cast(num_replicas, loss.dtype)
         return loss
-    loss = model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-    )
+    _row_weighted_output_losses(model)
+    _replica_rows.value = rows
+    try:
+        loss = model._compute_loss(
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=training,
+        )
+    finally:
+        _replica_rows.value = None
     loss = _loss_module.unscale_loss_for_distribution(loss)
     model._loss_tracker.update_state(loss, sample_weight=rows)
     return loss
+
+
+# The rows of the batch whose loss this thread is computing (MirroredStrategy
+# traces each replica in its own thread).
+_replica_rows = threading.local()
+
+
+def _row_weighted_output_losses(model):
+    """Keras 3: weights the `<output>_loss` logs by the replica's rows.
+
+    Upstream (Keras 3.15, `CompileLoss.call` in
+    keras/src/trainers/compile_utils.py): each output's loss metric is
+    updated with `sample_weight=y_pred.shape[0]`, the STATIC batch size,
+    which is None inside a traced step whose batch size varies; each
+    replica's mean then counts once, whatever its rows, so with uneven rows
+    per replica the logs are the unweighted mean of per-replica means (the
+    total `loss` log uses the dynamic `tf.shape`). Here each of those
+    metrics takes the rows `unscaled_mean_loss` is computing the loss of
+    instead. The metrics exist once `CompileLoss` is built, which may
+    happen inside the first `_compute_loss`; idempotent.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None or getattr(compile_loss, "_kh_rows", False):
+        return
+    compile_loss._kh_rows = True
+
+    def weight_by_rows():
+        for metric in compile_loss.metrics:
+            metric.update_state = _rows_as_weight(metric.update_state)
+
+    if compile_loss.built:
+        weight_by_rows()
+        return
+    build = compile_loss.build
+
+    def build_then_weight(*args, **kwargs):
+        result = build(*args, **kwargs)
+        weight_by_rows()
+        return result
+
+    compile_loss.build = build_then_weight
+
+
+def _rows_as_weight(update_state):
+    def update(values, sample_weight=None):
+        rows = getattr(_replica_rows, "value", None)
+        return update_state(
+            values, sample_weight=sample_weight if rows is None else rows
+        )
+
+    return update
 
 
 def update_metrics(model, x, y, y_pred, sample_weight):

@@ -11,6 +11,7 @@ replica: they live in ON_READ variables (ONLY_FIRST_REPLICA) that each
 replica updates locally, with no extra collective.
 """
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -47,6 +48,41 @@ class GradientAccumulator:
     @property
     def variables(self):
         return [*self.sums, self.rows, self.count]
+
+    def state(self):
+        """The running sums as numpy values by name (for `.keras` files)."""
+        values = {
+            f"gradient_{index}": total.numpy()
+            for index, total in enumerate(self.sums)
+        }
+        values["rows"] = self.rows.numpy()
+        values["micro_steps"] = self.count.numpy()
+        return values
+
+    def restore(self, values):
+        """Assigns sums saved by `state` (call in cross-replica context).
+
+        Raises:
+            ValueError: If `values` holds another number of gradient sums
+                or other shapes than this model's trainable variables.
+        """
+        saved = sum(name.startswith("gradient_") for name in values)
+        shapes = [
+            tuple(np.shape(values.get(f"gradient_{index}")))
+            for index in range(len(self.sums))
+        ]
+        expected = [tuple(total.shape) for total in self.sums]
+        if saved != len(self.sums) or shapes != expected:
+            raise ValueError(
+                "The saved gradient accumulation state does not fit this "
+                f"model: it holds {saved} partial gradient sums of shapes "
+                f"{shapes}; the model's trainable variables have shapes "
+                f"{expected}."
+            )
+        for index, total in enumerate(self.sums):
+            total.assign(np.asarray(values[f"gradient_{index}"]))
+        self.rows.assign(np.asarray(values["rows"], np.float32))
+        self.count.assign(np.asarray(values["micro_steps"], np.int64))
 
     def add(self, grads, rows):
         """This micro-step's sums so far (call in replica context).

@@ -38,6 +38,8 @@ from keras_hetero.callbacks import base as callbacks_base
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 
+# Prefix of the partial gradient sums in a `.keras` file's model entry.
+_ACCUMULATION_KEY = "keras_hetero_accumulation_"
 PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
 # `tf.distribute.experimental.CommunicationOptions` is a factory; this is
 # the class of what it returns.
@@ -394,6 +396,73 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             found += hetero.accumulator.variables
         return found
 
+    # --- saving ------------------------------------------------------------
+
+    def save(self, filepath, *args, **kwargs):
+        accumulator = self._hetero.accumulator
+        pending = 0 if accumulator is None else int(accumulator.count.numpy())
+        if pending and not str(filepath).endswith(".keras"):
+            # Legacy `.h5` files and tf-keras' SavedModel hold Keras'
+            # variables only (see `save_own_variables`).
+            warnings.warn(
+                f"`{self.name}` is saved to {str(filepath)!r} with the "
+                f"gradient sums of {pending} micro-step(s) that have not "
+                "made an update yet (`accumulation_steps="
+                f"{self._hetero.accumulation_steps}`); only `.keras` files "
+                "hold them. A model loaded from this file does not go on "
+                "exactly as this one: save to a `.keras` file, or after "
+                "an update.",
+                stacklevel=2,
+            )
+        return super().save(filepath, *args, **kwargs)
+
+    def save_own_variables(self, store):
+        """Saves the model's own variables and the partial gradient sums.
+
+        With `accumulation_steps > 1` the sums of micro-steps that have not
+        made an update yet go into the file too (they are not Keras
+        variables), so a model saved mid-accumulation and loaded goes on
+        exactly as the one that was saved.
+
+        Args:
+            store: The dict-like store Keras saves this model's state in.
+        """
+        super().save_own_variables(store)
+        accumulator = self._hetero.accumulator
+        if accumulator is not None:
+            for name, value in accumulator.state().items():
+                store[_ACCUMULATION_KEY + name] = value
+
+    def load_own_variables(self, store):
+        """Loads what `save_own_variables` saved.
+
+        Args:
+            store: The dict-like store Keras loads this model's state from.
+        """
+        names = list(store.keys())
+        keras_names = [n for n in names if not n.startswith(_ACCUMULATION_KEY)]
+        super().load_own_variables({name: store[name] for name in keras_names})
+        saved = {
+            name[len(_ACCUMULATION_KEY) :]: np.asarray(store[name])
+            for name in names
+            if name.startswith(_ACCUMULATION_KEY)
+        }
+        if not saved:
+            return
+        accumulator = self._accumulator() if self.trainable_variables else None
+        if accumulator is not None:
+            accumulator.restore(saved)
+        elif int(saved["micro_steps"]):
+            micro_steps = int(saved["micro_steps"])
+            warnings.warn(
+                f"The file holds the gradient sums of {micro_steps} "
+                "micro-step(s) that had not made an update yet, and "
+                f"`{self.name}` has `accumulation_steps="
+                f"{self._hetero.accumulation_steps}`: they are dropped, so "
+                "training does not go on exactly as the saved model would.",
+                stacklevel=2,
+            )
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
@@ -703,6 +772,7 @@ class _WrappedModel(HeteroModel):
     def __init__(self, model, **kwargs):
         super().__init__(**kwargs)
         self.wrapped = model
+        self._optimizer_shared = False
 
     def call(self, inputs, training=None, mask=None):
         if mask is None:
@@ -710,18 +780,37 @@ class _WrappedModel(HeteroModel):
         return self.wrapped(inputs, training=training, mask=mask)
 
     def get_config(self):
-        return {
+        config = {
             **super().get_config(),
             "model": keras.saving.serialize_keras_object(self.wrapped),
         }
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and (
+            getattr(self.wrapped, "optimizer", None) is optimizer
+        ):
+            config["shares_optimizer"] = True
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        shared = config.pop("shares_optimizer", False)
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        return cls(model, **config)
+        wrapper = cls(model, **config)
+        wrapper._optimizer_shared = shared
+        return wrapper
+
+    def compile_from_config(self, config):
+        # `from_model` of a compiled model shares its optimizer, so Keras
+        # saves the optimizer's variables once, under the wrapped model (its
+        # layers come first in the walk). Loading gives the wrapped model an
+        # optimizer of its own from its compile config, which would take
+        # them, leaving this model's new optimizer without its state.
+        super().compile_from_config(config)
+        if self._optimizer_shared and self.optimizer is not None:
+            self.wrapped.optimizer = self.optimizer
 
 
 def _derive_from_functional(cls):
