@@ -189,7 +189,10 @@ def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
             loss = loss * tf.cast(num_replicas, loss.dtype)
         return loss
     _row_weighted_output_losses(model)
-    _replica_rows.value = rows
+    # One replica keeps stock Keras' numbers (each batch once in the epoch's
+    # `<output>_loss`, also a partial last one).
+    several = tf.distribute.get_strategy().num_replicas_in_sync > 1
+    _replica_rows.value = rows if several else None
     try:
         loss = model._compute_loss(
             x=x,

@@ -93,3 +93,18 @@ def test_per_output_loss_logs_equal_single_device_under_uneven_shares():
             logs[name], reference_eval[name], rtol=1e-5, err_msg=name
         )
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_one_replica_logs_equal_stock_also_with_a_partial_last_batch():
+    # 48 rows in batches of 20: the last batch has 8. Stock Keras 3 counts
+    # each batch once in `<output>_loss`; with one replica HeteroModel's
+    # logs are stock's (several replicas weigh rows, see the test above).
+    def fit(model):
+        return model.fit(_examples().batch(20), epochs=1, verbose=0).history
+
+    reference = fit(_compile(keras.Model(*_layers())))
+    ours = fit(_compile(kh.HeteroModel(*_layers())))
+    for name in ("loss", "first_loss", "second_loss"):
+        np.testing.assert_allclose(
+            ours[name], reference[name], rtol=1e-5, err_msg=name
+        )
