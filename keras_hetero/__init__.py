@@ -18,7 +18,7 @@ from keras_hetero._compat import keras
 from keras_hetero.model import HeteroModel
 from keras_hetero.precision import set_precision
 from keras_hetero.sequential import HeteroSequential
-from keras_hetero.telemetry import StepStats
+from keras_hetero.training.telemetry import StepStats
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,6 @@
-"""Facts about a `tf.distribute.Strategy` that several boxes need."""
+"""Strategy and cluster facts that several modules need: the strategy's
+kind, replica devices and ids, the chief, worker counts, and the one
+`TF_CONFIG` parser (`env_task`)."""
 
 import contextlib
 import dataclasses
@@ -185,16 +187,44 @@ def num_workers(strategy):
     return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
 
 
+def device_type(device):
+    """`"CPU"`, `"GPU"`, ... of a device name (CPU where it names none)."""
+    return (tf.DeviceSpec.from_string(device).device_type or "CPU").upper()
+
+
+def device_matches(pattern, device):
+    """Whether `device` is one that `pattern` names: every part the pattern
+    gives (job, task, type, index) must match; parts it leaves out match
+    anything (`"CPU:1"`, `"/job:worker/task:1"`, `"GPU"`).
+
+    Args:
+        pattern: A device name, with or without the leading `/device:`.
+        device: A full device name.
+    """
+    wanted = tf.DeviceSpec.from_string(
+        pattern if pattern.startswith("/") else "/device:" + pattern
+    )
+    spec = tf.DeviceSpec.from_string(device)
+    return (
+        (
+            wanted.device_type is None
+            or wanted.device_type.upper() == (spec.device_type or "").upper()
+        )
+        and (
+            wanted.device_index is None
+            or wanted.device_index == (spec.device_index or 0)
+        )
+        and (wanted.task is None or wanted.task == (spec.task or 0))
+        and (wanted.job is None or wanted.job == spec.job)
+    )
+
+
 def cpu_replicas(strategy):
     """True if the strategy has several replicas and this worker's are CPUs."""
     if strategy.num_replicas_in_sync < 2:
         return False
     devices = getattr(strategy.extended, "worker_devices", ())
-    return any(
-        (tf.DeviceSpec.from_string(device).device_type or "CPU").upper()
-        == "CPU"
-        for device in devices
-    )
+    return any(device_type(device) == "CPU" for device in devices)
 
 
 def broadcast_from_first_replica(strategy, value):

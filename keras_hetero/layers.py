@@ -17,6 +17,8 @@ import warnings
 import tensorflow as tf
 
 from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 
 
@@ -83,12 +85,9 @@ class Placed(keras.layers.Wrapper):
             layer = _in_policy(layer, dtype_policy)
         super().__init__(layer, **kwargs)
         self.device = _device_name(device)
-        if stage is not None and (
-            isinstance(stage, bool) or not isinstance(stage, int) or stage < 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `stage`. Received: "
-                f"stage={stage!r}. Expected a non-negative integer or None."
+        if stage is not None:
+            stage = check_int(
+                "stage", stage, 0, expected="a non-negative integer or None"
             )
         self.stage = stage
         self.dtype_policy_name = dtype_policy
@@ -385,14 +384,10 @@ def _device_name(device):
 
 
 def _is_available(device):
-    wanted = tf.DeviceSpec.from_string(device)
-    for logical in tf.config.list_logical_devices():
-        spec = tf.DeviceSpec.from_string(logical.name)
-        if (wanted.device_type or "").upper() == (
-            spec.device_type or ""
-        ).upper() and (wanted.device_index or 0) == (spec.device_index or 0):
-            return True
-    return False
+    return any(
+        _distribute.device_matches(device, logical.name)
+        for logical in tf.config.list_logical_devices()
+    )
 
 
 def _available_names():

@@ -23,24 +23,24 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
-from keras_hetero import _multi_worker_callbacks
-from keras_hetero import accumulation
-from keras_hetero import aggregation
-from keras_hetero import loss_scale as loss_scale_lib
-from keras_hetero import parameter_server
 from keras_hetero import precision as precision_lib
-from keras_hetero import telemetry
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.callbacks import base as callbacks_base
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import accumulation
+from keras_hetero.training import aggregation
+from keras_hetero.training import keras_callbacks
+from keras_hetero.training import loss_scale as loss_scale_lib
+from keras_hetero.training import parameter_server
+from keras_hetero.training import telemetry
 
 # Prefix of the partial gradient sums in a `.keras` file's model entry.
 _ACCUMULATION_KEY = "keras_hetero_accumulation_"
-PRECISIONS = (None, "float32", "mixed_float16", "mixed_bfloat16", "auto")
 # `tf.distribute.experimental.CommunicationOptions` is a factory; this is
 # the class of what it returns.
 _COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
@@ -218,7 +218,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def train_step(self, data):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         hetero = self._hetero
-        rows = _batch_rows(x)
+        rows = _batches.batch_rows(x)
         # XLA cannot call the host, nor can a parameter-server worker (its
         # closures are timed on the worker by the runner instead).
         timed = not _compat.jit_compiled(self) and not (
@@ -327,7 +327,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         for chunk in range(count):
             start = rows * chunk // count
             end = rows * (chunk + 1) // count
-            x_i, y_i, weight_i = _rows((x, y, sample_weight), start, end)
+            x_i, y_i, weight_i = _batches.row_slice(
+                (x, y, sample_weight), start, end
+            )
             y_pred_i = self(x_i, training=True)
             mean_i = _compat.unscaled_mean_loss(
                 self, x_i, y_i, y_pred_i, weight_i, end - start, training=True
@@ -347,7 +349,13 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         _compat.unscaled_mean_loss(
-            self, x, y, y_pred, sample_weight, _batch_rows(x), training=False
+            self,
+            x,
+            y,
+            y_pred,
+            sample_weight,
+            _batches.batch_rows(x),
+            training=False,
         )
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
@@ -557,7 +565,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         # Keras' own file-writing callbacks write from the chief only.
-        undo = _multi_worker_callbacks.prepare(self, kwargs.get("callbacks"))
+        undo = keras_callbacks.prepare(self, kwargs.get("callbacks"))
         try:
             return self._fit(x, y, *args, **kwargs)
         finally:
@@ -886,11 +894,7 @@ def _check_options(
     communication,
     global_clipnorm,
 ):
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"Invalid value for argument `precision`. Received: "
-            f"precision={precision!r}. Expected one of {PRECISIONS}."
-        )
+    precision_lib.check_precision(precision)
     if gradient_compression not in (None, *aggregation.WIRE_DTYPES):
         raise ValueError(
             "Invalid value for argument `gradient_compression`. Received: "
@@ -1070,21 +1074,6 @@ def _check_microbatch_statistics(model):
             "batch.",
             stacklevel=3,
         )
-
-
-def _rows(structure, start, end):
-    """Rows `start:end` of every tensor in `structure` (None stays None)."""
-    return tf.nest.map_structure(
-        lambda t: None if t is None else t[start:end], structure
-    )
-
-
-def _batch_rows(x):
-    """Rows of the batch `x` (inputs fed None, e.g. optional ones, aside)."""
-    leaves = [leaf for leaf in tf.nest.flatten(x) if leaf is not None]
-    if not leaves:  # The model's own call says what is missing.
-        return tf.constant(0)
-    return tf.shape(leaves[0])[0]
 
 
 def _dependencies(grads):

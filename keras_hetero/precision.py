@@ -14,6 +14,7 @@ precision. "auto" picks the fastest one that every device runs well:
 import tensorflow as tf
 
 from keras_hetero import _compat
+from keras_hetero import _distribute
 from keras_hetero._compat import keras
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -58,7 +59,7 @@ def strategy_devices(strategy):
     found = []
     for name in strategy.extended.worker_devices:
         spec = tf.DeviceSpec.from_string(name)
-        kind = (spec.device_type or "CPU").upper()
+        kind = _distribute.device_type(name)
         capability = None
         if kind == "GPU":
             gpus = tf.config.list_physical_devices("GPU")
@@ -76,12 +77,23 @@ def resolve(precision, strategy=None):
     Raises:
         ValueError: For an unknown name.
     """
+    check_precision(precision)
     if precision in (None, "float32"):
         return "float32"
     if precision == "auto":
         strategy = strategy or tf.distribute.get_strategy()
         return auto_precision(strategy_devices(strategy))
-    if precision in POLICIES:
+    return precision
+
+
+def check_precision(precision):
+    """Returns `precision` if it is a name `HeteroModel` and
+    `set_precision` take (one of `POLICIES`, `"auto"` or None).
+
+    Raises:
+        ValueError: Naming the value and the accepted ones.
+    """
+    if precision is None or precision == "auto" or precision in POLICIES:
         return precision
     raise ValueError(
         "Invalid value for argument `precision`. Received: "

@@ -41,7 +41,7 @@ except ImportError as error:
 
 from keras_hetero import _compat
 from keras_hetero import checkpointing
-from keras_hetero.callbacks import elastic_checkpoint
+from keras_hetero.checkpointing import callback as elastic_checkpoint
 
 logger = logging.getLogger("keras_hetero")
 

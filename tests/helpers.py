@@ -41,6 +41,21 @@ def layers(regularizer=False):
     return inputs, keras.layers.Dense(1)(hidden)
 
 
+def seeded_layers():
+    """Two Dense layers, not built; seeded initialisers give the same
+    weights whenever they build."""
+    return [
+        keras.layers.Dense(
+            4,
+            activation="tanh",
+            kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+        ),
+        keras.layers.Dense(
+            1, kernel_initializer=keras.initializers.GlorotUniform(seed=2)
+        ),
+    ]
+
+
 def compile_model(model, steps_per_execution=1):
     model.compile(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9),

@@ -19,27 +19,13 @@ keras = kh.keras
 X, Y, WEIGHTS, _ = helpers.arrays()
 
 
-def _two_dense():
-    # Seeded initialisers: the same weights whenever the layers build.
-    return [
-        keras.layers.Dense(
-            4,
-            activation="tanh",
-            kernel_initializer=keras.initializers.GlorotUniform(seed=1),
-        ),
-        keras.layers.Dense(
-            1, kernel_initializer=keras.initializers.GlorotUniform(seed=2)
-        ),
-    ]
-
-
 def _subclass(base):
     class Lazy(base):
         """Layers made in `__init__`, built on the first call."""
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.hidden, self.out = _two_dense()
+            self.hidden, self.out = helpers.seeded_layers()
 
         def call(self, inputs):
             return self.out(self.hidden(inputs))
@@ -221,7 +207,7 @@ def test_from_model_of_sequential_without_input_builds_on_first_data(
 ):
     def make(wrap):
         keras.utils.set_random_seed(5)
-        base = keras.Sequential(_two_dense())
+        base = keras.Sequential(helpers.seeded_layers())
         model = kh.HeteroModel.from_model(base) if wrap else base
         return helpers.compile_model(model)
 

@@ -9,8 +9,8 @@ import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
-from keras_hetero import aggregation
 from keras_hetero._compat import keras
+from keras_hetero.training import aggregation
 
 ROWS = 64  # 4 micro-steps of 16 per epoch: 2 updates of 32 rows at k = 2.
 

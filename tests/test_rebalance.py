@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from keras_hetero import rebalance
+from keras_hetero.balancing import core as rebalance
 
 
 def test_window_median_ignores_outliers_and_zero_row_replicas():

@@ -17,23 +17,9 @@ keras = kh.keras
 X, Y, _, _ = helpers.arrays()
 
 
-def _layers():
-    # Seeded initialisers: the same weights whenever the layers build.
-    return [
-        keras.layers.Dense(
-            4,
-            activation="tanh",
-            kernel_initializer=keras.initializers.GlorotUniform(seed=1),
-        ),
-        keras.layers.Dense(
-            1, kernel_initializer=keras.initializers.GlorotUniform(seed=2)
-        ),
-    ]
-
-
 def _make(cls, with_input=False, **kwargs):
     first = [keras.Input((helpers.FEATURES,))] if with_input else []
-    return helpers.compile_model(cls(first + _layers(), **kwargs))
+    return helpers.compile_model(cls(first + helpers.seeded_layers(), **kwargs))
 
 
 def _fit(model, epochs=2):
@@ -92,7 +78,7 @@ def test_add_and_pop_like_keras_sequential():
     def build(cls):
         model = cls(name="stack")
         model.add(keras.Input((helpers.FEATURES,)))
-        for layer in _layers():
+        for layer in helpers.seeded_layers():
             model.add(layer)
         model.add(keras.layers.Dense(3, name="extra"))
         model.pop()
@@ -116,18 +102,20 @@ def test_settings_reach_the_step():
         return model
 
     inputs = keras.Input((helpers.FEATURES,))
-    hidden, out = _layers()
+    hidden, out = helpers.seeded_layers()
     two = {"accumulation_steps": 2}
     functional = fit(kh.HeteroModel(inputs, out(hidden(inputs)), **two))
-    model = fit(kh.HeteroSequential(_layers(), **two))
+    model = fit(kh.HeteroSequential(helpers.seeded_layers(), **two))
     _close(model, functional)
     assert int(model.optimizer.iterations) == 2  # 5 batches, 2 updates
-    every_batch = fit(kh.HeteroSequential(_layers()))
+    every_batch = fit(kh.HeteroSequential(helpers.seeded_layers()))
     assert not np.allclose(every_batch.get_weights()[0], model.get_weights()[0])
 
 
 def test_precision_setting(mixed_float16):
-    model = kh.HeteroSequential(_layers(), precision="mixed_float16")
+    model = kh.HeteroSequential(
+        helpers.seeded_layers(), precision="mixed_float16"
+    )
     model.compile(optimizer="sgd", loss="mse")
     assert model.loss_scale is not None
     assert model.get_config()["precision"] == "mixed_float16"
@@ -137,7 +125,7 @@ def test_precision_setting(mixed_float16):
 
 def test_config_round_trip_keeps_layers_and_settings():
     model = kh.HeteroSequential(
-        [keras.Input((helpers.FEATURES,)), *_layers()],
+        [keras.Input((helpers.FEATURES,)), *helpers.seeded_layers()],
         name="stack",
         gradient_compression="fp16",
         global_clipnorm=1.0,
@@ -157,16 +145,16 @@ def test_config_round_trip_keeps_layers_and_settings():
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="precision='fp8'"):
-        kh.HeteroSequential(_layers(), precision="fp8")
+        kh.HeteroSequential(helpers.seeded_layers(), precision="fp8")
     with pytest.raises(TypeError, match="no_such_argument"):
-        kh.HeteroSequential(_layers(), no_such_argument=1)
+        kh.HeteroSequential(helpers.seeded_layers(), no_such_argument=1)
 
 
 def test_positional_arguments_as_in_keras_sequential():
     # Keras 3: (layers, trainable, name); tf-keras: (layers, name).
     rest = ("stack",) if kh.FLAVOUR == "tf-keras" else (True, "stack")
-    stock = keras.Sequential(_layers(), *rest)
-    model = kh.HeteroSequential(_layers(), *rest)
+    stock = keras.Sequential(helpers.seeded_layers(), *rest)
+    model = kh.HeteroSequential(helpers.seeded_layers(), *rest)
     assert model.name == stock.name == "stack"
     assert isinstance(model, kh.HeteroSequential)
 
@@ -184,7 +172,9 @@ def test_load_model_returns_a_compiled_hetero_sequential(
     tmp_path, suffix, with_input
 ):
     first = [keras.Input((helpers.FEATURES,))] if with_input else []
-    model = kh.HeteroSequential(first + _layers(), gradient_compression="bf16")
+    model = kh.HeteroSequential(
+        first + helpers.seeded_layers(), gradient_compression="bf16"
+    )
     # Keras 3 cannot load a compiled `.h5` with loss="mse", stock or not.
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),

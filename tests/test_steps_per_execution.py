@@ -250,7 +250,7 @@ def test_hang_watchdog_keeps_one_progress_mark_per_worker(monkeypatch):
     # mark replaces the last one in the coordination service's store.
     from tensorflow.python.eager import context
 
-    from keras_hetero.callbacks import straggler_detector
+    from keras_hetero.stragglers import detector as straggler_detector
 
     store = {}
 

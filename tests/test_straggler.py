@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from keras_hetero import straggler
+from keras_hetero.stragglers import scoring as straggler
 
 
 def _run(

@@ -1,7 +1,7 @@
 """The package's layout rules (docs/how-it-works.md, "Where things live").
 
 - Flavour branches and private TensorFlow/Keras internals live in
-  `keras_hetero/_compat.py` only.
+  `keras_hetero/_compat/` only.
 - No import cycle between keras_hetero's modules, counting imports inside
   functions (they hide a cycle, they do not remove it).
 - Every module imports on its own, in a fresh interpreter.
@@ -20,7 +20,7 @@ import pytest
 from keras_hetero import _distribute
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_hetero"
-COMPAT = {"keras_hetero._compat"}
+COMPAT = "keras_hetero._compat"
 
 # Modules only the compat layer may import.
 INTERNAL_MODULES = ("tf_keras", "keras.src", "tensorflow.python")
@@ -89,7 +89,7 @@ def _imports(name, path):
 def test_internals_and_flavour_branches_live_in_compat_only():
     offences = []
     for name, path in _modules():
-        if name in COMPAT:
+        if name == COMPAT or name.startswith(COMPAT + "."):
             continue
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
@@ -110,7 +110,7 @@ def test_internals_and_flavour_branches_live_in_compat_only():
                 INTERNAL_ATTRIBUTES
             ):
                 offences.append(f"{where} names {node.value!r}")
-    assert not offences, "move these into keras_hetero/_compat.py:\n" + (
+    assert not offences, "move these into keras_hetero/_compat/:\n" + (
         "\n".join(offences)
     )
 
@@ -168,18 +168,7 @@ def _cycles(graph):
 
 
 def _graph():
-    graph = {}
-    for name, path in _modules():
-        targets = _imports(name, path)
-        # A package's `__init__` re-exports its submodules: importing the
-        # package imports them, so an edge from a submodule back to its own
-        # package is not a cycle of code, only of re-exports.
-        graph[name] = {
-            t
-            for t in targets
-            if not (name.startswith(t + ".") and _is_package(t))
-        }
-    return graph
+    return {name: _imports(name, path) for name, path in _modules()}
 
 
 def test_no_import_cycles():
@@ -294,3 +283,29 @@ def test_tf_config_is_parsed_in_one_place():
                     readers.append(name)
                     break
     assert readers == ["keras_hetero._distribute"], readers
+
+
+@pytest.mark.parametrize(
+    "pattern, device, expected",
+    [
+        ("CPU:1", "/job:localhost/replica:0/task:0/device:CPU:1", True),
+        ("CPU:1", "/job:localhost/replica:0/task:0/device:CPU:0", False),
+        ("cpu:1", "/device:CPU:1", True),
+        ("GPU:0", "/device:CPU:0", False),
+        (
+            "/job:worker/task:1",
+            "/job:worker/replica:0/task:1/device:CPU:0",
+            True,
+        ),
+        (
+            "/job:worker/task:1",
+            "/job:worker/replica:0/task:0/device:CPU:0",
+            False,
+        ),
+        ("/job:worker/task:1", "/device:CPU:0", False),
+    ],
+)
+def test_device_matches_compares_the_parts_the_pattern_names(
+    pattern, device, expected
+):
+    assert _distribute.device_matches(pattern, device) is expected

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_hetero import _compat
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.callbacks.base import HeteroCallback
 from keras_hetero.data.shard import HeteroDataset
@@ -173,17 +174,14 @@ def from_arrays(
             integer of at least the number of replicas.
     """
     replicas = strategy.num_replicas_in_sync
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, (int, np.integer))
-        or batch_size < replicas
-    ):
-        raise ValueError(
-            f"Invalid value for argument `{argument}`. Received: "
-            f"{argument}={batch_size!r}. Expected an integer of at least the "
-            f"number of replicas ({replicas}) under {type(strategy).__name__}"
-            " (it is the global batch size)."
-        )
+    batch_size = check_int(
+        argument,
+        batch_size,
+        replicas,
+        expected="an integer of at least the number of replicas "
+        f"({replicas}) under {type(strategy).__name__} (it is the global "
+        "batch size)",
+    )
     # Tuples before packing: tf-keras packs a list `x` without `y` bare.
     data = keras.utils.pack_x_y_sample_weight(
         *map(_lists_to_tuples, (x, y, sample_weight))

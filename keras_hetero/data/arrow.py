@@ -13,6 +13,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero._checks import check_int
+
 _INSTALL = 'pip install "keras-hetero[arrow]"'
 _MIN_PYARROW = 15
 # Read buffer per Parquet column. Without it (pyarrow's default pre-buffering)
@@ -866,15 +868,7 @@ def from_arrow(
     [(1.0, 0), (2.0, 1), (3.0, 0)]
     """
     pa = _pyarrow()
-    if (
-        isinstance(batch_rows, bool)
-        or not isinstance(batch_rows, (int, np.integer))
-        or batch_rows < 1
-    ):
-        raise ValueError(
-            "Invalid value for argument `batch_rows`. Received: "
-            f"batch_rows={batch_rows!r}. Expected a positive integer."
-        )
+    batch_rows = check_int("batch_rows", batch_rows, 1, "a positive integer")
     stream_source = _source(pa, source)
     structure, names = _structure(stream_source, columns, label, sample_weight)
     plan = _plan(pa, stream_source, names, shapes, fill_null)

@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
@@ -238,15 +239,7 @@ class HeteroDataset:
             ValueError: If `examples` or `pass_number` is negative or not an
                 integer.
         """
-        if (
-            isinstance(examples, bool)
-            or not isinstance(examples, (int, np.integer))
-            or examples < 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `examples`. Received: "
-                f"examples={examples!r}. Expected an integer >= 0."
-            )
+        examples = check_int("examples", examples, 0)
         if pass_number is not None:
             check_int("pass_number", _plain_int(pass_number), 0)
         self._schedule.skip_examples(int(examples))
@@ -536,7 +529,7 @@ class HeteroDataset:
             batches = batches.repeat()
 
         def split(index, batch):
-            total_rows = tf.shape(tf.nest.flatten(batch)[0])[0]
+            total_rows = _batches.batch_rows(batch)
             bounds = tf.numpy_function(
                 self._schedule.next_bounds, [index, total_rows], tf.int64
             )
@@ -872,17 +865,13 @@ def shard(
         )
     strategy = strategy or tf.distribute.get_strategy()
     num_replicas = strategy.num_replicas_in_sync
-    if (
-        isinstance(global_batch_size, bool)
-        or not isinstance(global_batch_size, (int, np.integer))
-        or global_batch_size < num_replicas
-    ):
-        raise ValueError(
-            "Invalid value for argument `global_batch_size`. Received: "
-            f"global_batch_size={global_batch_size!r}. Expected an integer of "
-            f"at least the number of replicas ({num_replicas}) under "
-            f"{type(strategy).__name__}."
-        )
+    global_batch_size = check_int(
+        "global_batch_size",
+        global_batch_size,
+        num_replicas,
+        expected="an integer of at least the number of replicas "
+        f"({num_replicas}) under {type(strategy).__name__}",
+    )
     if shares is None:
         shares = np.ones(num_replicas)
     if map_fn is not None and not callable(map_fn):

@@ -191,25 +191,7 @@ def _non_negative(value, whole):
 def _match_device(table, device):
     if device is None:
         return 0.0
-    spec = tf.DeviceSpec.from_string(device)
     for key, seconds in table.items():
-        wanted = tf.DeviceSpec.from_string(
-            key if key.startswith("/") else "/device:" + key
-        )
-        # Every part the key names must match; parts it leaves out match
-        # anything ("CPU:1", "/job:worker/task:1").
-        if (
-            (
-                wanted.device_type is None
-                or wanted.device_type.upper()
-                == (spec.device_type or "").upper()
-            )
-            and (
-                wanted.device_index is None
-                or wanted.device_index == spec.device_index
-            )
-            and (wanted.task is None or wanted.task == spec.task)
-            and (wanted.job is None or wanted.job == spec.job)
-        ):
+        if _distribute.device_matches(key, device):
             return seconds
     return 0.0

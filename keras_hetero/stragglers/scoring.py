@@ -2,6 +2,10 @@
 
 Numpy over explicit, immutable state (`ScoreState`), testable without
 TensorFlow. Fed the same all-reduced telemetry, every worker scores alike.
+Two implementations of the same rules: `add_reading` + `evaluate`, the
+reference (a new state per step; tests and benchmarks/straggler.py use it),
+and `Scorer`, the incremental one `StragglerDetector` runs (tests check that
+both give the same events).
 
 Per replica and step the cost is `compute_seconds / rows` (seconds per row),
 so a replica that was given more rows is not blamed for it. Over a window of
@@ -44,7 +48,7 @@ import math
 
 import numpy as np
 
-from keras_hetero import rebalance
+from keras_hetero.balancing import core as rebalance
 
 # Per evaluation: a baseline 10% too low is forgotten in about 100 steps,
 # while a real slowdown is flagged within `window / 2 + patience` steps.

@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 
+from keras_hetero.balancing.rebalancer import ShardRebalancer
 from keras_hetero.callbacks import base
-from keras_hetero.callbacks.elastic_checkpoint import ElasticCheckpoint
-from keras_hetero.callbacks.shard_rebalancer import ShardRebalancer
-from keras_hetero.callbacks.straggler_detector import StragglerDetector
+from keras_hetero.checkpointing.callback import ElasticCheckpoint
+from keras_hetero.stragglers.detector import StragglerDetector
 
 
 class Sources:

@@ -16,7 +16,7 @@ optimizer's own `merge_call`.
 
 import tensorflow as tf
 
-from keras_hetero import accumulation
+from keras_hetero.training import accumulation
 
 
 class DynamicLossScale:

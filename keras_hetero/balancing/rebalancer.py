@@ -3,8 +3,8 @@
 import numpy as np
 
 from keras_hetero import _distribute
-from keras_hetero import rebalance
 from keras_hetero._checks import check_int
+from keras_hetero.balancing import core as rebalance
 from keras_hetero.callbacks import base
 from keras_hetero.data.shard import HeteroDataset
 

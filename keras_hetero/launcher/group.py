@@ -17,36 +17,20 @@ sends SIGTERM to every worker (ElasticCheckpoint saves and stops), waits
 `grace_seconds`, kills what is left, and exits 130 (SIGINT) or 143.
 """
 
-import argparse
 import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from keras_hetero._checks import check_int
+from keras_hetero.launcher.ports import free_ports
 
 RESTART_ENV = "KERAS_HETERO_RESTART"
 NUM_WORKERS_ENV = "KERAS_HETERO_NUM_WORKERS"
-
-
-def free_ports(count):
-    """`count` distinct free TCP ports on 127.0.0.1 (the launcher's and
-    `kh.testing.run_workers`' cluster addresses)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +133,9 @@ def launch(
     count = workers
     try:
         for restart in range(max_restarts + 1):
-            codes, failed = group.run(command, count, restart, env or {})
+            codes, failed = group.run_attempt(
+                command, count, restart, env or {}
+            )
             attempts.append(Attempt(count, tuple(codes), tuple(failed)))
             if group.interrupted is not None:
                 code = 128 + group.interrupted
@@ -193,7 +179,7 @@ class _Group:
         )
         self._terminate_all()
 
-    def run(self, command, count, restart, extra_env):
+    def run_attempt(self, command, count, restart, extra_env):
         ports = free_ports(count)
         cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
         self.processes, readers = [], []
@@ -283,57 +269,3 @@ def _say(output, line):
 
 def _status(code):
     return 128 - code if code < 0 else code
-
-
-def main(argv=None):
-    """`keras-hetero run` / `python -m keras_hetero.run`."""
-    parser = argparse.ArgumentParser(
-        prog="keras-hetero",
-        description="Launch keras-hetero training on local workers.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser(
-        "run",
-        help="start N workers with TF_CONFIG on 127.0.0.1 and restart them "
-        "on failure",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_run_arguments(run)
-    args = parser.parse_args(argv)
-    return _run(args)
-
-
-def run_main(argv=None):
-    """`python -m keras_hetero.run ...` (the `run` arguments only)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m keras_hetero.run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_run_arguments(parser)
-    return _run(parser.parse_args(argv))
-
-
-def _add_run_arguments(parser):
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--max-restarts", type=int, default=3)
-    parser.add_argument("--min-workers", type=int, default=None)
-    parser.add_argument("--grace-seconds", type=float, default=30.0)
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-
-
-def _run(args):
-    try:
-        result = launch(
-            [sys.executable, args.script, *args.script_args],
-            args.workers,
-            max_restarts=args.max_restarts,
-            min_workers=args.min_workers,
-            grace_seconds=args.grace_seconds,
-        )
-    except ValueError as error:
-        print(f"keras-hetero: {error}", file=sys.stderr)
-        return 2
-    return result.exit_code

@@ -9,10 +9,10 @@ import numpy as np
 
 from keras_hetero import _compat
 from keras_hetero import _distribute
-from keras_hetero import _summary
-from keras_hetero import straggler
 from keras_hetero._checks import check_int
 from keras_hetero.callbacks import base
+from keras_hetero.report import writer
+from keras_hetero.stragglers import scoring as straggler
 
 logger = logging.getLogger("keras_hetero")
 
@@ -208,9 +208,8 @@ class StragglerDetector(base.HeteroCallback):
         self._steps = 0
         self._batch_start = None
         if self.log_dir is not None and self._writer is None:
-            import tensorflow as tf
-
-            self._writer = tf.summary.create_file_writer(self.log_dir)
+            # The same scalar writer as HeteroTensorBoard's.
+            self._writer = writer.ScalarWriter(self.log_dir)
         if self.hang_timeout is not None:
             self._watchdog = _Watchdog(self, self.hang_timeout)
             self._watchdog.start()
@@ -278,9 +277,7 @@ class StragglerDetector(base.HeteroCallback):
             return
         logs.update(scalars)
         if self._writer is not None:
-            with self._writer.as_default(step=self._steps):
-                for key, value in scalars.items():
-                    _summary.write_scalar(key, value)
+            self._writer.write(self._steps, scalars)
 
     def scalars(self):
         """The current scores as flat numbers, e.g. for TensorBoard.

@@ -22,11 +22,12 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
-from keras_hetero import telemetry
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.training import telemetry
 
 _WORKER_GONE = (
     tf.errors.UnavailableError,
@@ -161,8 +162,7 @@ class ParameterServerRunner:
             for _ in range(steps):
                 data = next(iterator)
                 x, _, _ = _compat.unpack_x_y_sample_weight(data)
-                leaves = [t for t in tf.nest.flatten(x) if t is not None]
-                rows += tf.cast(tf.shape(leaves[0])[0], tf.int64)
+                rows += tf.cast(_batches.batch_rows(x), tf.int64)
                 with _distribute.parameter_server_worker(worker):
                     logs = strategy.run(step_function, args=(data,))
             logs = tf.nest.map_structure(

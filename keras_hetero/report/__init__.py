@@ -4,6 +4,11 @@
 at the end; `plot` and `write` also work on records you build or keep.
 Drawing needs matplotlib, the optional extra `keras-hetero[report]`; the
 rest of keras-hetero does not import it.
+
+The package holds what keras-hetero reports during `fit`: `sources` (what
+the other callbacks did, step by step), `writer` (scalars to the default
+TensorBoard writer), `tensorboard` (`HeteroTensorBoard`) and `run_report`
+(`RunReport`).
 """
 
 import base64

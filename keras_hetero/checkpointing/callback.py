@@ -18,7 +18,7 @@ from keras_hetero.callbacks import base
 from keras_hetero.data import reproducibility
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import mechanism_before_record
-from keras_hetero.parameter_server import ParameterServerInput
+from keras_hetero.training.parameter_server import ParameterServerInput
 
 logger = logging.getLogger("keras_hetero")
 
@@ -325,9 +325,9 @@ class ElasticCheckpoint(base.HeteroCallback):
             raise ValueError(
                 f"Checkpoint {path} does not fit this model: it holds "
                 f"{len(state['shapes'])} variables "
-                f"({_summary(state['variables'], state['shapes'])}), the "
+                f"({_shapes_text(state['variables'], state['shapes'])}), the "
                 f"model and optimizer have {len(shapes)} "
-                f"({_summary(names, shapes)}). Use a new `directory` for a "
+                f"({_shapes_text(names, shapes)}). Use a new `directory` for a "
                 "different model."
             )
         arrays = checkpointing.read_arrays(path, state["tensors"])
@@ -778,7 +778,7 @@ def _to_builtin(value):
     raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
 
 
-def _summary(names, shapes, limit=3):
+def _shapes_text(names, shapes, limit=3):
     head = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes[:limit]))
     return head + (", ..." if len(names) > limit else "")
 

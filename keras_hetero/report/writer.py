@@ -18,13 +18,6 @@ def _metadata():
     return metadata
 
 
-def write_scalar(tag, value):
-    """Writes one scalar to the default summary writer (eager, slow)."""
-    tf.summary.write(
-        tag, tf.constant(float(value), tf.float32), metadata=_metadata()
-    )
-
-
 class ScalarWriter:
     """Writes `{tag: value}` dicts as TensorBoard scalars at a given step.
 

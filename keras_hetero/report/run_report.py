@@ -7,7 +7,7 @@ import numpy as np
 from keras_hetero import _distribute
 from keras_hetero import report
 from keras_hetero._checks import check_int
-from keras_hetero.callbacks import _sources
+from keras_hetero.report import sources as _sources
 
 
 class RunReport(_sources.Observer):

@@ -1,4 +1,5 @@
-"""Checkpoint storage and scheduling behind `ElasticCheckpoint`.
+"""Checkpoint storage and scheduling behind `ElasticCheckpoint` (the
+callback itself is `keras_hetero/checkpointing/callback.py`).
 
 Storage is atomic: a checkpoint is written into a hidden temporary directory,
 every file is fsynced and listed with its size and SHA-256 in `MANIFEST.json`

@@ -5,9 +5,9 @@ import os
 import numpy as np
 
 from keras_hetero import _distribute
-from keras_hetero import _summary
 from keras_hetero._checks import check_int
-from keras_hetero.callbacks import _sources
+from keras_hetero.report import sources as _sources
+from keras_hetero.report import writer
 
 
 class HeteroTensorBoard(_sources.Observer):
@@ -69,7 +69,7 @@ class HeteroTensorBoard(_sources.Observer):
         self._checkpoints_written = 0
         self._writer = None
         if _distribute.is_chief(self.model.distribute_strategy):
-            self._writer = _summary.ScalarWriter(
+            self._writer = writer.ScalarWriter(
                 os.path.join(self.log_dir, "hetero")
             )
 
