@@ -1,13 +1,14 @@
-"""`plan`: split a chain of layers into stages, one per (unequal) device.
+"""`plan`: split a chain of layers into stages on (unequal) devices.
 
 Each top-level layer gets a cost (seconds of forward + backward work on a
 speed-1.0 device for one batch), a memory need and the bytes of its output
 activations. A stage is a contiguous run of layers on one device; its time is
 its cost divided by the device's speed plus the time to receive its input
-activations. An exact dynamic program over the split points picks the split
-with the smallest slowest stage (the pipeline's bottleneck) that fits every
-device's memory. The search is pure Python (`partition`), testable without
-TensorFlow; `plan` adapts it to a Keras model.
+activations. The planner picks which devices take stages, in which order,
+and the split points, so that the slowest stage (the pipeline's bottleneck)
+is as fast as possible and every stage fits its device's memory (exact
+dynamic programs, `keras_hetero._placement_search`). The search is pure
+Python, testable without TensorFlow; `plan` adapts it to a Keras model.
 """
 
 import dataclasses
@@ -17,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from keras_hetero import _placement_search
 from keras_hetero import layers as layers_lib
 from keras_hetero.layers import chain_layers
 
@@ -39,15 +41,20 @@ class Stage(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A split of a model's layers into stages, one per device.
+    """A split of a model's layers into stages, one per device used.
 
     Attributes:
-        stages: `Stage(device, [layer names])` per device, in order.
+        stages: `Stage(device, [layer names])` per device used, in pipeline
+            order.
         stage_seconds: Estimated seconds per stage and batch: compute on
             that device plus receiving the stage's input activations.
         stage_memory: Estimated bytes each stage needs on its device.
-        device_memory: Each device's memory limit in bytes, or None.
-        device_speeds: Each device's relative speed.
+        device_memory: Each stage's device's memory limit in bytes, or None.
+        device_speeds: Each stage's device's relative speed.
+        unused_devices: The devices given to `plan` that hold no stage
+            (leaving them out makes the pipeline no slower).
+        method: How the split was found: `"exact"` or `"local search"`
+            (see `plan`).
     """
 
     stages: list
@@ -55,6 +62,8 @@ class Plan:
     stage_memory: list
     device_memory: list
     device_speeds: list
+    unused_devices: list = dataclasses.field(default_factory=list)
+    method: str = "exact"
 
     @property
     def bottleneck(self):
@@ -165,6 +174,8 @@ class Plan:
             f"({self.bottleneck_seconds * 1e3:.4g} ms per batch); "
             f"all stages in turn: {self.total_seconds * 1e3:.4g} ms"
         )
+        if self.unused_devices:
+            lines.append(f"unused devices: {', '.join(self.unused_devices)}")
         return "\n".join(lines)
 
 
@@ -179,8 +190,11 @@ def plan(
     profile=False,
     bandwidth=DEFAULT_BANDWIDTH,
     flops_per_second=DEFAULT_FLOPS_PER_SECOND,
+    keep_order=False,
+    use_all_devices=False,
+    method="auto",
 ):
-    """Splits a chain model's layers into one contiguous stage per device.
+    """Splits a chain model's layers into contiguous stages on devices.
 
     Each top-level layer's cost is, by default, estimated from its weights
     and output shape (multiply-adds of a dense or convolutional layer, one
@@ -191,14 +205,30 @@ def plan(
     weights (weights, gradients, two optimizer slots) plus its output
     activations for `batch_size` rows. The split minimises the slowest
     stage's time (cost / speed + its input activations' bytes / `bandwidth`)
-    subject to every device's memory, exactly (dynamic programming over the
-    split points, O(layers^2 * devices)).
+    subject to every device's memory; among splits as fast, the one with the
+    smallest sum of stage times, and among those the devices' given order
+    with every device used if that is one of them.
+
+    The search covers which device takes which stage (the order) and which
+    devices take one at all (a very slow device can be worth leaving out):
+    exactly, by dynamic programming over how many devices of each kind
+    (equal speed and memory) hold the stages so far and where the last one
+    ends, `O(states * kinds * layers^2)` with `prod(devices of a kind + 1)`
+    states (`2^devices` if all differ; 200 layers on 8 different devices
+    plan in about 0.1 s). Beyond 4096 states (e.g. 13 or more different
+    devices) it is a local search instead (`plan.method == "local
+    search"`): the fixed-order program, which may skip devices, from four
+    starting orders (as given, fastest first, slowest first, most memory
+    first), improved by swapping pairs of devices while that helps; on
+    random 200-layer profiles over 8 different devices its bottleneck was
+    within the gap `benchmarks/placement.py` prints of the exact one.
+    `keep_order=True, use_all_devices=True` is the original planner: every
+    device, in the given order (`O(layers^2 * devices)`).
 
     Args:
         model: A `keras.Sequential` or functional model with one input and
             one output whose top-level layers form a chain.
-        devices: Device names, one stage each, in pipeline order. Every
-            device gets at least one layer.
+        devices: Device names. With `keep_order`, in pipeline order.
         device_speeds: Relative speed per device (2.0 = twice as fast).
             Defaults to `None` (all 1.0).
         device_memory: Bytes available per device; `None` (or a `None`
@@ -214,16 +244,24 @@ def plan(
             to `1e10`.
         flops_per_second: Speed of a speed-1.0 device for estimated costs.
             Defaults to `1e11`.
+        keep_order: Stages follow the order of `devices`. Defaults to
+            `False` (the planner orders them).
+        use_all_devices: Every device gets at least one layer. Defaults to
+            `False` (the planner may leave devices out).
+        method: `"auto"` (exact up to 4096 states, local search beyond),
+            `"exact"` or `"local"`. Defaults to `"auto"`.
 
     Returns:
         A `Plan`.
 
     Raises:
-        ValueError: If the model is not a chain; if `devices` is empty or
-            has more entries than the model has layers; if `device_speeds`,
-            `device_memory` or `layer_costs` do not match; or if no split
-            fits the memory (the message names the device short of memory
-            and by how many bytes, for the split that needs the least).
+        ValueError: If the model is not a chain; if `devices` is empty, or
+            has more entries than the model has layers with
+            `use_all_devices`; if `device_speeds`, `device_memory`,
+            `layer_costs` or `method` do not match; or if no split fits the
+            memory (the message names, for the split over all devices in
+            the given order that needs the least extra memory, each device
+            short of memory and by how many bytes).
 
     Example:
 
@@ -236,7 +274,12 @@ def plan(
     layers = [layer for layer, _ in chain]
     names = [layer.name for layer in layers]
     devices = list(devices)
-    if not devices or len(devices) > len(layers):
+    if method not in ("auto", "exact", "local"):
+        raise ValueError(
+            "Invalid value for argument `method`. Received: "
+            f'method={method!r}. Expected "auto", "exact" or "local".'
+        )
+    if not devices or (use_all_devices and len(devices) > len(layers)):
         raise ValueError(
             f"Invalid value for argument `devices`. Received: "
             f"devices={devices!r}. Expected 1 to {len(layers)} device names "
@@ -276,23 +319,79 @@ def plan(
         for i, layer in enumerate(layers)
     ]
     input_seconds = [0.0] + [b / bandwidth for b in outputs[:-1]]
-    bounds = partition(
-        costs, layer_memory, input_seconds, speeds, memory, names=devices
+    found, used_method = _search(
+        costs,
+        layer_memory,
+        input_seconds,
+        speeds,
+        memory,
+        devices,
+        keep_order=keep_order,
+        use_all_devices=use_all_devices,
+        method=method,
     )
     stages, seconds, needs = [], [], []
-    for index, (start, end) in enumerate(bounds):
-        stages.append(Stage(devices[index], names[start:end]))
+    for device, start, end in found:
+        stages.append(Stage(devices[device], names[start:end]))
         seconds.append(
-            _stage_seconds(costs, input_seconds, speeds[index], start, end)
+            _stage_seconds(costs, input_seconds, speeds[device], start, end)
         )
         needs.append(int(sum(layer_memory[start:end])))
+    used = {device for device, _, _ in found}
     return Plan(
         stages=stages,
         stage_seconds=seconds,
         stage_memory=needs,
-        device_memory=memory,
-        device_speeds=speeds,
+        device_memory=[memory[device] for device, _, _ in found],
+        device_speeds=[speeds[device] for device, _, _ in found],
+        unused_devices=[
+            name for index, name in enumerate(devices) if index not in used
+        ],
+        method=used_method,
     )
+
+
+def _search(costs, memory, input_seconds, speeds, capacity, devices, **kw):
+    """`([(device index, start, end)], method)`; raises if nothing fits."""
+    keep_order, use_all = kw["keep_order"], kw["use_all_devices"]
+    ordered = None
+    if len(devices) <= len(costs):
+        # The original planner's split: kept whenever it is as good.
+        try:
+            bounds = partition(costs, memory, input_seconds, speeds, capacity)
+        except ValueError:
+            if keep_order and use_all:
+                partition(
+                    costs, memory, input_seconds, speeds, capacity, devices
+                )
+        else:
+            ordered = [(d, s, e) for d, (s, e) in enumerate(bounds)]
+    if keep_order and use_all:
+        return ordered, "exact"
+    found, method = _placement_search.search(
+        costs, memory, input_seconds, speeds, capacity, **kw
+    )
+    if found is None:
+        if len(devices) <= len(costs):
+            # Name the shortfall of the split over all devices in order.
+            partition(costs, memory, input_seconds, speeds, capacity, devices)
+        raise ValueError(
+            "No split of the layers fits the devices' memory "
+            f"(device_memory={list(capacity)}; the layers need "
+            f"{int(sum(memory))} bytes in all, the largest layer "
+            f"{int(max(memory))}). Add memory, or shrink the batch or the "
+            "model."
+        )
+    if ordered is not None:
+        value = _placement_search.bottleneck_and_total(
+            found, costs, input_seconds, speeds
+        )
+        kept = _placement_search.bottleneck_and_total(
+            ordered, costs, input_seconds, speeds
+        )
+        if not _placement_search.is_better(value, kept):
+            found = ordered
+    return found, method
 
 
 def partition(costs, memory, input_seconds, speeds, capacity, names=None):
