@@ -736,3 +736,145 @@ def test_device_hints_with_a_single_device_strategy_work():
     with strategy.scope():
         model = _hinted()
     assert np.isfinite(_train_small(model))
+
+
+# --- choosing a layout -------------------------------------------------------
+
+
+def _layout_model(layers=8, width=64):
+    keras.utils.set_random_seed(2)
+    return keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, name=f"dense_{i}") for i in range(layers)]
+    )
+
+
+def _costs(model, seconds=0.02):
+    return {layer.name: seconds for layer in model.layers}
+
+
+TWO_BY_TWO = [
+    [("/cpu:0", 1.0), ("/cpu:1", 2.0)],
+    [("/cpu:0", 1.0), ("/cpu:1", 1.0)],
+]
+
+
+def test_layout_cost_model_follows_the_formulas():
+    model = _layout_model()
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    choice = kh.placement.plan_layout(
+        model,
+        TWO_BY_TWO,
+        batch_size=64,
+        microbatches=4,
+        layer_costs=_costs(model),
+        network_bandwidth=1e9,
+    )
+    data = choice.layouts["data parallel"]
+    assert data.compute_seconds == pytest.approx(0.16 / 5.0)
+    assert data.communication_seconds == pytest.approx(
+        2 * 3 / 4 * weights / 1e9
+    )
+    assert data.shares == pytest.approx([0.2, 0.4, 0.2, 0.2])
+    replicated = choice.layouts["replicated pipelines"]
+    times = [
+        kh.placement.pipeline_seconds(p.stage_seconds, 4)
+        for p in replicated.plans
+    ]
+    assert replicated.compute_seconds == pytest.approx(
+        1 / (1 / times[0] + 1 / times[1])
+    )
+    assert replicated.shares == pytest.approx(
+        [times[1] / sum(times), times[0] / sum(times)]
+    )
+    assert replicated.communication_seconds == pytest.approx(weights / 1e9)
+    pipeline = choice.layouts["pipeline"]
+    assert pipeline.communication_seconds == 0.0
+    assert pipeline.step_seconds == pytest.approx(
+        kh.placement.pipeline_seconds(pipeline.plans[0].stage_seconds, 4)
+    )
+    assert {s.device for s in pipeline.plans[0].stages} <= {
+        "/job:worker/task:0/device:CPU:0",
+        "/job:worker/task:0/device:CPU:1",
+        "/job:worker/task:1/device:CPU:0",
+        "/job:worker/task:1/device:CPU:1",
+    }
+    assert choice.best is min(
+        choice.layouts.values(), key=lambda layout: layout.step_seconds
+    )
+    assert kh.placement.pipeline_seconds([1.0, 1.0], 4) == 1.25
+
+
+def test_each_layout_wins_where_it_should():
+    model = _layout_model()
+    costs = _costs(model)
+    fast_network = kh.placement.plan_layout(
+        model, TWO_BY_TWO, batch_size=64, layer_costs=costs,
+        network_bandwidth=1e12,
+    )  # fmt: skip
+    assert fast_network.best.kind == "data parallel"
+    # A slow network: no all-reduce beats any.
+    slow_network = kh.placement.plan_layout(
+        model, TWO_BY_TWO, batch_size=64, layer_costs=costs,
+        network_bandwidth=1e6, microbatches=8,
+    )  # fmt: skip
+    assert slow_network.best.kind == "pipeline"
+    # The model fits no single device, but each worker's pair.
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    small = [
+        [("/cpu:0", 1.0, 3 * weights), ("/cpu:1", 1.0, 3 * weights)]
+        for _ in range(2)
+    ]
+    no_fit = kh.placement.plan_layout(
+        model, small, batch_size=64, layer_costs=costs,
+        network_bandwidth=1e10, microbatches=8,
+    )  # fmt: skip
+    assert no_fit.layouts["data parallel"].step_seconds == math.inf
+    assert "does not fit" in no_fit.layouts["data parallel"].reason
+    assert no_fit.best.kind == "replicated pipelines"
+    text = no_fit.summary()
+    assert "replicated pipelines*" in text and "does not fit" in text
+
+
+def test_layout_apply_sets_up_the_best():
+    model = _layout_model(layers=4, width=8)
+    costs = _costs(model)
+    data = kh.placement.plan_layout(
+        model, [["/cpu:0", "/cpu:1"]], layer_costs=costs, bandwidth=1e15
+    )
+    assert data.best.kind == "data parallel"
+    hetero = data.apply(model)
+    assert isinstance(hetero, kh.HeteroModel)
+    assert not any(isinstance(layer, Placed) for layer in hetero.layers)
+    model = _layout_model()
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    pair = [("/cpu:0", 1.0, 3 * weights), ("/cpu:1", 1.0, 3 * weights)]
+    pipelines = kh.placement.plan_layout(
+        model,
+        [pair, pair],
+        batch_size=64,
+        layer_costs=_costs(model),
+        network_bandwidth=1e10,
+        microbatches=2,
+    )
+    assert pipelines.best.kind == "replicated pipelines"
+    placed = pipelines.apply(model, worker=1)
+    assert placed.get_config()["pipeline_microbatches"] == 2
+    wrappers = [layer for layer in placed.layers if isinstance(layer, Placed)]
+    assert sorted({w.device for w in wrappers}) == ["/cpu:0", "/cpu:1"]
+    x = np.ones((2, 64), "float32")
+    np.testing.assert_allclose(placed(x), model(x), rtol=1e-6)
+    with pytest.raises(ValueError, match="`worker`"):
+        pipelines.apply(model, worker=2)
+
+
+def test_layout_bad_arguments_name_the_value():
+    model = _layout_model(layers=2, width=4)
+    with pytest.raises(ValueError, match="`cluster`"):
+        kh.placement.plan_layout(model, [])
+    with pytest.raises(ValueError, match="`cluster`"):
+        kh.placement.plan_layout(model, ["/cpu:0"])
+    with pytest.raises(ValueError, match="`cluster`"):
+        kh.placement.plan_layout(model, [[("/cpu:0", 0.0)]])
+    with pytest.raises(ValueError, match="`microbatches`"):
+        kh.placement.plan_layout(model, [["/cpu:0"]], microbatches=0)
