@@ -601,6 +601,14 @@ def _layer_list(names, width=40):
 
 # Bytes per second between workers (about 10 Gbit/s Ethernet).
 DEFAULT_NETWORK_BANDWIDTH = 1.25e9
+# Measured (TF 2.21): a replica of a tf.distribute strategy runs on one
+# worker; a layer hinted onto another worker's device fails at the first
+# step with "InvalidArgumentError: /job:worker/replica:0/task:0/device:CPU:0
+# unknown device".
+CROSS_WORKER_PIPELINE = (
+    "spans workers: a replica runs on one worker under tf.distribute "
+    "(TensorFlow: 'unknown device' for another worker's device)"
+)
 DATA_PARALLEL = "data parallel"
 PIPELINE = "pipeline"
 REPLICATED_PIPELINES = "replicated pipelines"
@@ -639,7 +647,9 @@ class Layout:
             one per worker for `"replicated pipelines"`, none for data
             parallel).
         microbatches: `pipeline_microbatches` of the pipelines.
-        reason: Why the layout does not fit, or None.
+        reason: Why the layout cannot run (memory, or a pipeline across
+            workers), or None. Such a layout is never `best` while another
+            can run.
     """
 
     kind: str
@@ -680,7 +690,16 @@ class LayoutChoice:
         for kind, layout in self.layouts.items():
             mark = "*" if layout is self.best else ""
             if layout.reason is not None:
-                rows.append((kind + mark, "-", "-", "-", layout.reason))
+                step = layout.step_seconds
+                rows.append(
+                    (
+                        kind + mark,
+                        f"({step * 1e3:.4g})" if step < math.inf else "-",
+                        "-",
+                        "-",
+                        "not run: " + layout.reason,
+                    )
+                )
                 continue
             rows.append(
                 (
@@ -727,8 +746,8 @@ class LayoutChoice:
             A `kh.HeteroModel`.
 
         Raises:
-            ValueError: If the best layout does not fit, or `worker` is
-                not one of the cluster's workers.
+            ValueError: If no layout can run (each one's reason is named),
+                or `worker` is not one of the cluster's workers.
 
         Example:
 
@@ -739,7 +758,7 @@ class LayoutChoice:
         best = self.best
         if best.reason is not None:
             raise ValueError(
-                "No layout fits this cluster's memory: "
+                "No layout runs on this cluster: "
                 + "; ".join(
                     f"{kind}: {layout.reason}"
                     for kind, layout in self.layouts.items()
@@ -787,10 +806,13 @@ def plan_layout(
       `C / sum(speeds) + allreduce(devices)`; each device holds the whole
       model (weights, gradients, two optimizer slots, its share's
       activations).
-    - pipeline: one replica over all devices, split by `plan` (a hop
-      between workers at `network_bandwidth`); with stage times `t_k` for
-      the whole batch, GPipe's `(sum(t) + (M - 1) * max(t)) / M` for `M =
-      microbatches`; no all-reduce.
+    - pipeline: one replica over all devices, split by `plan`; with stage
+      times `t_k` for the whole batch, GPipe's `(sum(t) + (M - 1) *
+      max(t)) / M` for `M = microbatches`; no all-reduce. Over several
+      workers it is predicted (every hop at `network_bandwidth`) but never
+      chosen: a replica of a `tf.distribute` strategy runs on one worker,
+      and TensorFlow fails on another worker's device ("unknown device",
+      measured), so its `reason` says so.
     - replicated pipelines: one pipeline per worker over its own devices
       (`plan` with `bandwidth`), the global batch shared in proportion to
       each pipeline's speed (`T_w` its step time for the whole batch), so
@@ -884,7 +906,14 @@ def plan_layout(
             options,
         ),
     }
-    best = min(layouts.values(), key=lambda layout: layout.step_seconds)
+    if len(workers) > 1:
+        layouts[PIPELINE] = dataclasses.replace(
+            layouts[PIPELINE], reason=CROSS_WORKER_PIPELINE
+        )
+    runnable = [layout for layout in layouts.values() if layout.reason is None]
+    best = min(
+        runnable or layouts.values(), key=lambda layout: layout.step_seconds
+    )
     return LayoutChoice(layouts=layouts, best=best, cluster=workers)
 
 

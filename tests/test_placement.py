@@ -813,12 +813,24 @@ def test_each_layout_wins_where_it_should():
         network_bandwidth=1e12,
     )  # fmt: skip
     assert fast_network.best.kind == "data parallel"
-    # A slow network: no all-reduce beats any.
+    # A slow link between one worker's devices: activations (16 KiB per
+    # hop) cost less than the all-reduce of 130 KiB of weights.
+    slow_link = kh.placement.plan_layout(
+        model, TWO_BY_TWO[:1], batch_size=64, layer_costs=costs,
+        bandwidth=1e6, microbatches=8,
+    )  # fmt: skip
+    assert slow_link.best.kind == "pipeline"
+    assert slow_link.layouts["pipeline"].reason is None
+    # Over two workers the pipeline is predicted, never chosen.
     slow_network = kh.placement.plan_layout(
         model, TWO_BY_TWO, batch_size=64, layer_costs=costs,
         network_bandwidth=1e6, microbatches=8,
     )  # fmt: skip
-    assert slow_network.best.kind == "pipeline"
+    across = slow_network.layouts["pipeline"]
+    assert across.step_seconds < slow_network.best.step_seconds
+    assert "spans workers" in across.reason
+    assert slow_network.best.kind != "pipeline"
+    assert "not run: spans workers" in slow_network.summary()
     # The model fits no single device, but each worker's pair.
     weights = sum(w.numpy().nbytes for w in model.trainable_weights)
     small = [
