@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
+from keras_hetero import _placement_search
 from keras_hetero import placement
 from keras_hetero._compat import keras
 from keras_hetero.layers import Placed
@@ -81,6 +82,259 @@ def test_partition_infeasible_names_device_and_bytes():
             [1, 1, 1], [200, 100, 100], [0, 0, 0], [1, 1], [150, 1000],
             names=["GPU:0", "GPU:1"],
         )  # fmt: skip
+
+
+def _brute_force_any(costs, memory, inputs, speeds, capacity, use_all):
+    """`(bottleneck, sum of stages)` over every order, subset and split."""
+    layers, devices = len(costs), len(speeds)
+    best = (math.inf, math.inf)
+    sizes = [devices] if use_all else range(1, min(devices, layers) + 1)
+    for size in sizes:
+        for order in itertools.permutations(range(devices), size):
+            for cuts in itertools.combinations(range(1, layers), size - 1):
+                edges = (0, *cuts, layers)
+                seconds = []
+                for index, device in enumerate(order):
+                    start, end = edges[index], edges[index + 1]
+                    limit = capacity[device]
+                    if limit is not None and sum(memory[start:end]) > limit:
+                        break
+                    seconds.append(
+                        sum(costs[start:end]) / speeds[device] + inputs[start]
+                    )
+                else:
+                    value = (max(seconds), sum(seconds))
+                    if value[0] < best[0] * (1 - 1e-9) or (
+                        value[0] <= best[0] * (1 + 1e-9) and value[1] < best[1]
+                    ):
+                        best = value
+    return best
+
+
+def _random_profile(rng, max_layers=7, max_devices=4):
+    layers = rng.randint(1, max_layers)
+    devices = rng.randint(1, max_devices)
+    return (
+        [rng.uniform(0.1, 5.0) for _ in range(layers)],
+        [rng.randint(1, 10) for _ in range(layers)],
+        [0.0] + [rng.uniform(0.0, 1.0) for _ in range(layers - 1)],
+        [rng.choice([1.0, 2.5, 0.6, 1.3]) for _ in range(devices)],
+        [rng.choice([None, rng.randint(5, 30)]) for _ in range(devices)],
+    )
+
+
+@pytest.mark.parametrize("use_all", [False, True], ids=["subsets", "all"])
+def test_search_equals_brute_force_over_orders_and_subsets(use_all):
+    rng = random.Random(1 + use_all)
+    checked = infeasible = reordered = 0
+    for _ in range(250):
+        costs, memory, inputs, speeds, capacity = _random_profile(rng)
+        if use_all and len(speeds) > len(costs):
+            continue
+        want = _brute_force_any(
+            costs, memory, inputs, speeds, capacity, use_all
+        )
+        found, method = _placement_search.search(
+            costs, memory, inputs, speeds, capacity, use_all_devices=use_all
+        )
+        assert method == "exact"
+        if want[0] == math.inf:
+            assert found is None
+            infeasible += 1
+            continue
+        assert [s for _, s, _ in found][0] == 0 and found[-1][2] == len(costs)
+        assert all(a[2] == b[1] for a, b in zip(found, found[1:]))
+        assert len({d for d, _, _ in found}) == len(found)
+        if use_all:
+            assert len(found) == len(speeds)
+        for device, start, end in found:
+            limit = capacity[device]
+            assert limit is None or sum(memory[start:end]) <= limit
+        got = _placement_search.bottleneck_and_total(
+            found, costs, inputs, speeds
+        )
+        assert got[0] == pytest.approx(want[0], rel=1e-9)
+        assert got[1] == pytest.approx(want[1], rel=1e-9)
+        in_order = _brute_force(costs, memory, inputs, speeds, capacity)
+        reordered += got[0] < in_order * (1 - 1e-9)
+        checked += 1
+    assert checked > 100 and infeasible > 10 and reordered > 20
+
+
+def test_plan_equals_brute_force_on_a_model_with_speeds_and_memory():
+    rng = random.Random(7)
+    model = _mlp(layers=6)
+    names = [layer.name for layer in model.layers]
+    per_layer = kh.placement.plan(
+        model, ["/cpu:0"], layer_costs=_equal_costs(model)
+    ).stage_memory[0] // len(names)
+    devices = ["/cpu:0", "/cpu:1", "/cpu:2"]
+    for _ in range(12):
+        costs = [rng.uniform(1e-3, 5e-3) for _ in names]
+        speeds = [rng.choice([1.0, 2.5, 0.6]) for _ in devices]
+        memory = [rng.choice([None, rng.randint(2, 5) * per_layer + 1])]
+        memory += [rng.choice([None, rng.randint(2, 5) * per_layer + 1])]
+        memory += [None]
+        plan = kh.placement.plan(
+            model,
+            devices,
+            device_speeds=speeds,
+            device_memory=memory,
+            layer_costs=dict(zip(names, costs)),
+            bandwidth=1e15,
+        )
+        inputs = [0.0] * len(names)
+        layer_memory = [per_layer] * len(names)
+        want = _brute_force_any(
+            costs, layer_memory, inputs, speeds, memory, False
+        )
+        assert plan.bottleneck_seconds == pytest.approx(want[0], rel=1e-9)
+        assert plan.total_seconds == pytest.approx(want[1], rel=1e-9)
+        for need, limit in zip(plan.stage_memory, plan.device_memory):
+            assert limit is None or need <= limit
+        used = [stage.device for stage in plan.stages]
+        assert sorted(used + plan.unused_devices) == devices
+
+
+def test_keep_order_and_all_devices_give_the_original_split():
+    rng = random.Random(3)
+    model = _mlp(layers=7)
+    names = [layer.name for layer in model.layers]
+    devices = ["/cpu:0", "/cpu:1", "/cpu:2"]
+    for _ in range(20):
+        costs = [rng.uniform(1e-3, 5e-3) for _ in names]
+        speeds = [rng.choice([1.0, 2.5, 0.6]) for _ in devices]
+        kwargs = dict(
+            device_speeds=speeds,
+            layer_costs=dict(zip(names, costs)),
+            bandwidth=1e8,
+        )
+        plan = kh.placement.plan(
+            model, devices, keep_order=True, use_all_devices=True, **kwargs
+        )
+        # The original planner's own search, over the same inputs.
+        inputs = [0.0] + [
+            4 * 32 * 8 / 1e8 for _ in range(len(names) - 1)
+        ]  # float32 activations of 32 rows x 8 features
+        memory = [0] * len(names)
+        bounds = partition(costs, memory, inputs, speeds, [None] * 3)
+        assert [len(stage.layers) for stage in plan.stages] == [
+            e - s for s, e in bounds
+        ]
+        assert [stage.device for stage in plan.stages] == devices
+        searched = kh.placement.plan(model, devices, **kwargs)
+        assert searched.bottleneck_seconds <= plan.bottleneck_seconds * (
+            1 + 1e-9
+        )
+
+
+def test_the_fast_device_takes_the_heavy_stage_and_a_slow_one_is_left_out():
+    model = _mlp(layers=4)
+    names = [layer.name for layer in model.layers]
+    costs = dict(zip(names, [8e-3, 1e-3, 1e-3, 1e-3]))
+    devices = ["/cpu:0", "/cpu:1", "/cpu:2"]
+    plan = kh.placement.plan(
+        model,
+        devices,
+        device_speeds=[1.0, 4.0, 0.1],
+        layer_costs=costs,
+        bandwidth=1e15,
+    )
+    # 9 ms of work at speed 4, then 2 ms at speed 1.
+    assert plan.stages[0] == (devices[1], names[:2])
+    assert plan.stages[1] == (devices[0], names[2:])
+    assert plan.unused_devices == ["/cpu:2"]
+    assert "unused devices: /cpu:2" in plan.summary()
+    in_order = kh.placement.plan(
+        model,
+        devices,
+        device_speeds=[1.0, 4.0, 0.1],
+        layer_costs=costs,
+        bandwidth=1e15,
+        keep_order=True,
+        use_all_devices=True,
+    )
+    assert plan.bottleneck_seconds == pytest.approx(2.25e-3)
+    assert in_order.bottleneck_seconds == pytest.approx(1e-2)
+
+
+def test_the_device_with_the_most_memory_takes_the_stage_that_needs_it():
+    model = _mlp(layers=4)
+    per_layer = (
+        kh.placement.plan(
+            model, ["/cpu:0"], layer_costs=_equal_costs(model)
+        ).stage_memory[0]
+        // 4
+    )
+    plan = kh.placement.plan(
+        model,
+        ["/cpu:0", "/cpu:1"],
+        device_memory=[per_layer, 3 * per_layer],
+        layer_costs=_equal_costs(model),
+    )
+    assert [(s.device, len(s.layers)) for s in plan.stages] == [
+        ("/cpu:1", 3),
+        ("/cpu:0", 1),
+    ] or [(s.device, len(s.layers)) for s in plan.stages] == [
+        ("/cpu:0", 1),
+        ("/cpu:1", 3),
+    ]
+    with pytest.raises(ValueError, match="lacks"):
+        kh.placement.plan(
+            model,
+            ["/cpu:0", "/cpu:1"],
+            device_memory=[per_layer, 2 * per_layer],
+            layer_costs=_equal_costs(model),
+        )
+
+
+def test_local_search_is_valid_and_never_beats_the_exact_search():
+    rng = random.Random(5)
+    gaps = []
+    for _ in range(60):
+        costs, memory, inputs, speeds, capacity = _random_profile(
+            rng, max_layers=12, max_devices=5
+        )
+        exact, _ = _placement_search.search(
+            costs, memory, inputs, speeds, capacity
+        )
+        local, method = _placement_search.search(
+            costs, memory, inputs, speeds, capacity, method="local"
+        )
+        assert method == "local search"
+        if exact is None:
+            assert local is None
+            continue
+        if local is None:  # a local search may miss a feasible split
+            continue
+        for device, start, end in local:
+            assert capacity[device] is None or (
+                sum(memory[start:end]) <= capacity[device]
+            )
+        want = _placement_search.bottleneck_and_total(
+            exact, costs, inputs, speeds
+        )
+        got = _placement_search.bottleneck_and_total(
+            local, costs, inputs, speeds
+        )
+        assert got[0] >= want[0] * (1 - 1e-9)
+        gaps.append(got[0] / want[0] - 1)
+    assert len(gaps) > 30 and np.median(gaps) < 0.01
+
+
+def test_many_different_devices_use_the_local_search():
+    model = _mlp(layers=20)
+    devices = [f"/cpu:{i}" for i in range(13)]
+    plan = kh.placement.plan(
+        model,
+        devices,
+        device_speeds=[1.0 + 0.1 * i for i in range(13)],
+        layer_costs=_equal_costs(model),
+    )
+    assert plan.method == "local search"
+    assert sum(len(stage.layers) for stage in plan.stages) == 20
+    with pytest.raises(ValueError, match="`method`"):
+        kh.placement.plan(model, devices, method="greedy")
 
 
 # --- planning a Keras model --------------------------------------------------
@@ -184,8 +438,13 @@ def test_branching_models_are_refused_with_the_reason():
 
 def test_bad_arguments_name_the_value():
     model = _mlp(layers=2)
+    three = ["/cpu:0", "/cpu:1", "/cpu:2"]
     with pytest.raises(ValueError, match="`devices`"):
-        kh.placement.plan(model, ["/cpu:0", "/cpu:1", "/cpu:2"])
+        kh.placement.plan(model, three, use_all_devices=True)
+    with pytest.raises(ValueError, match="`devices`"):
+        kh.placement.plan(model, [])
+    # More devices than layers: one is left out.
+    assert len(kh.placement.plan(model, three).unused_devices) == 1
     with pytest.raises(ValueError, match="`device_speeds`"):
         kh.placement.plan(model, ["/cpu:0"], device_speeds=[0.0])
     with pytest.raises(ValueError, match="no cost for layers"):
@@ -477,3 +736,157 @@ def test_device_hints_with_a_single_device_strategy_work():
     with strategy.scope():
         model = _hinted()
     assert np.isfinite(_train_small(model))
+
+
+# --- choosing a layout -------------------------------------------------------
+
+
+def _layout_model(layers=8, width=64):
+    keras.utils.set_random_seed(2)
+    return keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, name=f"dense_{i}") for i in range(layers)]
+    )
+
+
+def _costs(model, seconds=0.02):
+    return {layer.name: seconds for layer in model.layers}
+
+
+TWO_BY_TWO = [
+    [("/cpu:0", 1.0), ("/cpu:1", 2.0)],
+    [("/cpu:0", 1.0), ("/cpu:1", 1.0)],
+]
+
+
+def test_layout_cost_model_follows_the_formulas():
+    model = _layout_model()
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    choice = kh.placement.plan_layout(
+        model,
+        TWO_BY_TWO,
+        batch_size=64,
+        microbatches=4,
+        layer_costs=_costs(model),
+        network_bandwidth=1e9,
+    )
+    data = choice.layouts["data parallel"]
+    assert data.compute_seconds == pytest.approx(0.16 / 5.0)
+    assert data.communication_seconds == pytest.approx(
+        2 * 3 / 4 * weights / 1e9
+    )
+    assert data.shares == pytest.approx([0.2, 0.4, 0.2, 0.2])
+    replicated = choice.layouts["replicated pipelines"]
+    times = [
+        kh.placement.pipeline_seconds(p.stage_seconds, 4)
+        for p in replicated.plans
+    ]
+    assert replicated.compute_seconds == pytest.approx(
+        1 / (1 / times[0] + 1 / times[1])
+    )
+    assert replicated.shares == pytest.approx(
+        [times[1] / sum(times), times[0] / sum(times)]
+    )
+    assert replicated.communication_seconds == pytest.approx(weights / 1e9)
+    pipeline = choice.layouts["pipeline"]
+    assert pipeline.communication_seconds == 0.0
+    assert pipeline.step_seconds == pytest.approx(
+        kh.placement.pipeline_seconds(pipeline.plans[0].stage_seconds, 4)
+    )
+    assert {s.device for s in pipeline.plans[0].stages} <= {
+        "/job:worker/task:0/device:CPU:0",
+        "/job:worker/task:0/device:CPU:1",
+        "/job:worker/task:1/device:CPU:0",
+        "/job:worker/task:1/device:CPU:1",
+    }
+    assert choice.best is min(
+        choice.layouts.values(), key=lambda layout: layout.step_seconds
+    )
+    assert kh.placement.pipeline_seconds([1.0, 1.0], 4) == 1.25
+
+
+def test_each_layout_wins_where_it_should():
+    model = _layout_model()
+    costs = _costs(model)
+    fast_network = kh.placement.plan_layout(
+        model, TWO_BY_TWO, batch_size=64, layer_costs=costs,
+        network_bandwidth=1e12,
+    )  # fmt: skip
+    assert fast_network.best.kind == "data parallel"
+    # A slow link between one worker's devices: activations (16 KiB per
+    # hop) cost less than the all-reduce of 130 KiB of weights.
+    slow_link = kh.placement.plan_layout(
+        model, TWO_BY_TWO[:1], batch_size=64, layer_costs=costs,
+        bandwidth=1e6, microbatches=8,
+    )  # fmt: skip
+    assert slow_link.best.kind == "pipeline"
+    assert slow_link.layouts["pipeline"].reason is None
+    # Over two workers the pipeline is predicted, never chosen.
+    slow_network = kh.placement.plan_layout(
+        model, TWO_BY_TWO, batch_size=64, layer_costs=costs,
+        network_bandwidth=1e6, microbatches=8,
+    )  # fmt: skip
+    across = slow_network.layouts["pipeline"]
+    assert across.step_seconds < slow_network.best.step_seconds
+    assert "spans workers" in across.reason
+    assert slow_network.best.kind != "pipeline"
+    assert "not run: spans workers" in slow_network.summary()
+    # The model fits no single device, but each worker's pair.
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    small = [
+        [("/cpu:0", 1.0, 3 * weights), ("/cpu:1", 1.0, 3 * weights)]
+        for _ in range(2)
+    ]
+    no_fit = kh.placement.plan_layout(
+        model, small, batch_size=64, layer_costs=costs,
+        network_bandwidth=1e10, microbatches=8,
+    )  # fmt: skip
+    assert no_fit.layouts["data parallel"].step_seconds == math.inf
+    assert "does not fit" in no_fit.layouts["data parallel"].reason
+    assert no_fit.best.kind == "replicated pipelines"
+    text = no_fit.summary()
+    assert "replicated pipelines*" in text and "does not fit" in text
+
+
+def test_layout_apply_sets_up_the_best():
+    model = _layout_model(layers=4, width=8)
+    costs = _costs(model)
+    data = kh.placement.plan_layout(
+        model, [["/cpu:0", "/cpu:1"]], layer_costs=costs, bandwidth=1e15
+    )
+    assert data.best.kind == "data parallel"
+    hetero = data.apply(model)
+    assert isinstance(hetero, kh.HeteroModel)
+    assert not any(isinstance(layer, Placed) for layer in hetero.layers)
+    model = _layout_model()
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    pair = [("/cpu:0", 1.0, 3 * weights), ("/cpu:1", 1.0, 3 * weights)]
+    pipelines = kh.placement.plan_layout(
+        model,
+        [pair, pair],
+        batch_size=64,
+        layer_costs=_costs(model),
+        network_bandwidth=1e10,
+        microbatches=2,
+    )
+    assert pipelines.best.kind == "replicated pipelines"
+    placed = pipelines.apply(model, worker=1)
+    assert placed.get_config()["pipeline_microbatches"] == 2
+    wrappers = [layer for layer in placed.layers if isinstance(layer, Placed)]
+    assert sorted({w.device for w in wrappers}) == ["/cpu:0", "/cpu:1"]
+    x = np.ones((2, 64), "float32")
+    np.testing.assert_allclose(placed(x), model(x), rtol=1e-6)
+    with pytest.raises(ValueError, match="`worker`"):
+        pipelines.apply(model, worker=2)
+
+
+def test_layout_bad_arguments_name_the_value():
+    model = _layout_model(layers=2, width=4)
+    with pytest.raises(ValueError, match="`cluster`"):
+        kh.placement.plan_layout(model, [])
+    with pytest.raises(ValueError, match="`cluster`"):
+        kh.placement.plan_layout(model, ["/cpu:0"])
+    with pytest.raises(ValueError, match="`cluster`"):
+        kh.placement.plan_layout(model, [[("/cpu:0", 0.0)]])
+    with pytest.raises(ValueError, match="`microbatches`"):
+        kh.placement.plan_layout(model, [["/cpu:0"]], microbatches=0)
