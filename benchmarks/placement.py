@@ -419,7 +419,7 @@ def bench_layouts(steps, microbatches=8):
 
 
 def bench_local_search_gap(cases=40):
-    from keras_hetero import _placement_search
+    from keras_hetero.placement import search as _placement_search
 
     rng = np.random.default_rng(3)
     gaps, exact_times, local_times = [], [], []

@@ -10,11 +10,11 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
-from keras_hetero import _placement_search
 from keras_hetero import placement
 from keras_hetero._compat import keras
 from keras_hetero.layers import Placed
 from keras_hetero.placement import partition
+from keras_hetero.placement import search as _placement_search
 
 # --- the planner's search, pure Python --------------------------------------
 

@@ -7,7 +7,7 @@ its cost divided by the device's speed plus the time to receive its input
 activations. The planner picks which devices take stages, in which order,
 and the split points, so that the slowest stage (the pipeline's bottleneck)
 is as fast as possible and every stage fits its device's memory (exact
-dynamic programs, `keras_hetero._placement_search`). The search is pure
+dynamic programs, `keras_hetero/placement/search.py`). The search is pure
 Python, testable without TensorFlow; `plan` adapts it to a Keras model.
 """
 
@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from keras_hetero import _placement_search
 from keras_hetero import layers as layers_lib
 from keras_hetero.layers import chain_layers
+from keras_hetero.placement import search as _placement_search
 
 # A speed-1.0 device's rate for estimated costs, and the link between
 # devices (about PCIe 4.0 x16 in practice).
