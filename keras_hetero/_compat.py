@@ -167,6 +167,12 @@ def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
     """
     if IS_LEGACY:
         loss = model.compute_loss(x, y, y_pred, sample_weight)
+        if training:
+            # tf-keras' own `train_step` check (`Model._validate_target_and_
+            # loss`): a compiled loss without targets ("Target data is
+            # missing"), or no loss at all. Its compiled loss skips outputs
+            # without targets, so `add_loss` losses alone train without.
+            model._validate_target_and_loss(y, loss)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if num_replicas > 1:
             loss = loss * tf.cast(num_replicas, loss.dtype)

@@ -680,12 +680,11 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             repeat=repeat, class_weight=class_weight
         )
 
-    # --- config ------------------------------------------------------------
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(self._hetero.config())
-        return config
+    # No `get_config` here: a subclass gets what Keras gives a subclass of
+    # `keras.Model` (its own `__init__` arguments, captured when it is
+    # made), and HeteroModel's settings are not arguments of its `__init__`
+    # unless it passes them on, when the capture has them. The functional
+    # and wrapping classes below add the settings to their configs.
 
 
 @_compat.register_serializable("HeteroModel")
@@ -739,6 +738,7 @@ class _WrappedModel(HeteroModel):
     def get_config(self):
         return {
             **super().get_config(),
+            **self._hetero.config(),
             "model": keras.saving.serialize_keras_object(self.wrapped),
         }
 

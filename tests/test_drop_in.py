@@ -323,3 +323,158 @@ def test_public_keras_is_the_selected_flavour():
     expected = "tf_keras" if kh.FLAVOUR == "tf-keras" else "keras"
     assert kh.keras.__name__.split(".")[0] == expected
     assert kh.keras is kh._compat.keras
+
+
+# --- tf-keras' training_test causes (issue 17), checked on both flavours ----
+
+
+def _stock_and_hetero(make):
+    """`make(cls)` for keras.Model and kh.HeteroModel, seeded alike."""
+    models = []
+    for cls in (keras.Model, kh.HeteroModel):
+        keras.utils.set_random_seed(3)
+        models.append(make(cls))
+    return models
+
+
+def _error_of(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - compared with Keras' own
+        return error
+    return None
+
+
+def test_fit_without_targets_gives_keras_own_error():
+    def make(cls):
+        model = cls(*helpers.layers())
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    stock, model = _stock_and_hetero(make)
+    want = _error_of(lambda: stock.fit(X, verbose=0))
+    got = _error_of(lambda: model.fit(X, verbose=0))
+    assert want is not None
+    assert type(got) is type(want)
+    if kh.FLAVOUR == "tf-keras":
+        assert "Target data is missing" in str(got)
+
+
+class _ActivityLoss(keras.layers.Layer):
+    """Identity that adds the mean square of its input as a loss."""
+
+    def call(self, inputs):
+        self.add_loss(tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+def test_model_with_only_add_loss_fits_without_targets():
+    def make(cls, strategy=None):
+        with strategy.scope() if strategy else _no_scope():
+            inputs = keras.Input((helpers.FEATURES,))
+            hidden = keras.layers.Dense(
+                3, kernel_initializer=keras.initializers.GlorotUniform(seed=4)
+            )(inputs)
+            model = cls(inputs, _ActivityLoss()(hidden))
+            model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    stock = make(keras.Model)
+    stock.fit(X, batch_size=16, shuffle=False, epochs=2, verbose=0)
+    for strategy in (None, helpers.mirrored(DEVICES[:2])):
+        model = make(kh.HeteroModel, strategy)
+        history = model.fit(
+            X, batch_size=16, shuffle=False, epochs=2, verbose=0
+        )
+        helpers.assert_weights_close(model.get_weights(), stock.get_weights())
+        assert np.isfinite(history.history["loss"]).all()
+
+
+def _config_subclasses(base):
+    class Default(base):
+        def __init__(self, units):
+            super().__init__()
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+    class Kwargs(base):
+        def __init__(self, units, **kwargs):
+            super().__init__()  # as tf-keras' test: `kwargs` kept unused
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+    class Override(base):
+        def __init__(self, units):
+            super().__init__()
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+        def get_config(self):
+            return {"units": int(self.units), **super().get_config()}
+
+    return {
+        "default": Default(units=10),
+        "kwargs": Kwargs(10, extra=1),
+        "override": Override(units=np.int32(10)),
+    }
+
+
+def _config_or_error(model):
+    """`get_config()` without the name (numbered per class), or the type of
+    the error (Keras 3 refuses a subclass without `get_config` whose
+    `__init__` has no `**kwargs`)."""
+    error = _error_of(model.get_config)
+    if error is not None:
+        return type(error)
+    config = dict(model.get_config())
+    config.pop("name", None)
+    return config
+
+
+def _round_trip(model):
+    """The config of `from_config(get_config())`, or the error's type."""
+    config = _config_or_error(model)
+    if not isinstance(config, dict):
+        return config
+    clone = _error_of(lambda: type(model).from_config(model.get_config()))
+    if clone is not None:
+        return type(clone)
+    clone = type(model).from_config(model.get_config())
+    assert isinstance(clone, type(model))
+    return _config_or_error(clone)
+
+
+def test_subclass_get_config_is_keras_own():
+    stock = _config_subclasses(keras.Model)
+    ours = _config_subclasses(kh.HeteroModel)
+    for kind, model in ours.items():
+        assert _config_or_error(model) == _config_or_error(stock[kind]), kind
+        assert _round_trip(model) == _round_trip(stock[kind]), kind
+    if kh.FLAVOUR == "tf-keras":  # Keras 3 revives none of them
+        for model in ours.values():
+            assert _round_trip(model) == _config_or_error(model)
+
+
+@pytest.mark.skipif(
+    kh.FLAVOUR != "tf-keras",
+    reason="Keras 3 captures no `__init__` arguments of Model subclasses",
+)
+def test_subclass_passing_settings_on_keeps_them_in_config():
+    class Passing(kh.HeteroModel):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+    model = Passing(3, accumulation_steps=2)
+    clone = Passing.from_config(model.get_config())
+    assert clone._hetero.accumulation_steps == 2
+    assert Passing(3).get_config().get("accumulation_steps", 1) == 1
