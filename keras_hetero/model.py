@@ -843,13 +843,21 @@ def _check_options(
 
 
 def _times(grad, factor):
+    """`grad * factor` in the gradient's dtype (a float16 variable's is
+    float16), the product taken in float32: an overflow becomes inf, which
+    the finite check after aggregation catches."""
     if grad is None:
         return None
+
+    def scaled(values):
+        product = tf.cast(values, tf.float32) * tf.cast(factor, tf.float32)
+        return tf.cast(product, values.dtype)
+
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(
-            grad.values * factor, grad.indices, grad.dense_shape
+            scaled(grad.values), grad.indices, grad.dense_shape
         )
-    return grad * factor
+    return scaled(grad)
 
 
 def _parameter_server_arguments(method, x, y, args, kwargs):

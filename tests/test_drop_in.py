@@ -478,3 +478,68 @@ def test_subclass_passing_settings_on_keeps_them_in_config():
     clone = Passing.from_config(model.get_config())
     assert clone._hetero.accumulation_steps == 2
     assert Passing(3).get_config().get("accumulation_steps", 1) == 1
+
+
+def _loss_scale_optimizer(optimizer):
+    if kh.FLAVOUR == "tf-keras":
+        return keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return keras.optimizers.LossScaleOptimizer(optimizer)
+
+
+@pytest.mark.parametrize(
+    "extra_losses",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                kh.FLAVOUR != "tf-keras",
+                # Keras 3.15 itself: "Cannot convert a list containing a
+                # tensor of dtype float16 to float32" (its regularisers).
+                reason="tf-keras sums regularisers of mixed dtypes",
+            ),
+        ),
+    ],
+)
+def test_losses_of_float16_and_float32_outputs(extra_losses):
+    """A float16 output's loss is summed with a float32 one (cast as Keras
+    does; float16 gradients scaled by the loss scale and the rows).
+
+    The reference is keras.Model with a LossScaleOptimizer, which scales
+    the loss as HeteroModel does when a layer computes in float16 (same
+    initial scale and growth); one row a step, so both skip the same steps.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 2)).astype("float32")
+    y = rng.normal(size=(12, 2)).astype("float32")
+    regularizer = "l2" if extra_losses else None
+
+    def make(cls):
+        inputs = keras.Input((2,))
+        out_32 = keras.layers.Dense(
+            2, dtype="float32", kernel_regularizer=regularizer
+        )(inputs)
+        out_16 = keras.layers.Dense(
+            2, dtype="float16", kernel_regularizer=regularizer
+        )(inputs)
+        model = cls(inputs, [out_32, out_16])
+        if extra_losses:  # tf-keras' test: a float64 loss as well
+            model.add_loss(0.01 * tf.reduce_sum(tf.cast(out_16, "float64")))
+        optimizer = _loss_scale_optimizer(keras.optimizers.SGD(0.05))
+        model.compile(optimizer=optimizer, loss=["mse", "mse"])
+        return model
+
+    stock, model = _stock_and_hetero(make)
+    assert model.loss_scale is not None
+    before = model.get_weights()
+    histories = [
+        m.fit(x, [y, y], batch_size=1, epochs=2, shuffle=False, verbose=0)
+        for m in (stock, model)
+    ]
+    weights = model.get_weights()
+    assert [w.dtype for w in weights][-2:] == [np.float16, np.float16]
+    helpers.assert_weights_close(weights, stock.get_weights())
+    np.testing.assert_allclose(
+        histories[1].history["loss"], histories[0].history["loss"], rtol=1e-5
+    )
+    assert not np.allclose(weights[-2], before[-2])  # float16 ones trained
