@@ -121,6 +121,31 @@ def num_workers(strategy):
     return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
 
 
+def replicas_on_missing_devices(strategy):
+    """True if a local replica's device is not a device of this process.
+
+    TensorFlow accepts such a strategy (`MirroredStrategy(["/cpu:1",
+    "/cpu:2"])` on a host with only `/cpu:0`: tf-keras' own tests do this)
+    and places the replicas' ops on an existing device, where its
+    collective all-reduce in replica context never returns (measured on TF
+    2.21, 2 and 4 replicas; a reduce in cross-replica context works).
+    """
+    if is_parameter_server(strategy) or strategy.num_replicas_in_sync < 2:
+        return False
+    existing = {
+        _device_key(device.name) for device in tf.config.list_logical_devices()
+    }
+    return any(
+        _device_key(device) not in existing
+        for device in getattr(strategy.extended, "worker_devices", ())
+    )
+
+
+def _device_key(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return (spec.device_type or "CPU").upper(), spec.device_index or 0
+
+
 def cpu_replicas(strategy):
     """True if the strategy has several replicas and this worker's are CPUs."""
     if strategy.num_replicas_in_sync < 2:

@@ -543,3 +543,68 @@ def test_losses_of_float16_and_float32_outputs(extra_losses):
         histories[1].history["loss"], histories[0].history["loss"], rtol=1e-5
     )
     assert not np.allclose(weights[-2], before[-2])  # float16 ones trained
+
+
+# Devices this process does not have (conftest makes /cpu:0-3): TensorFlow
+# places the replicas on an existing device, as in tf-keras' own
+# `test_distribution_reduction_method_sum_*` (it names /cpu:1-4 of a host
+# with one CPU device). A collective in replica context hangs there.
+_MISSING = ["/cpu:4", "/cpu:5", "/cpu:6", "/cpu:7"]
+
+
+def test_replicas_on_missing_devices_are_detected():
+    assert kh._distribute.replicas_on_missing_devices(
+        tf.distribute.MirroredStrategy(_MISSING[:2])
+    )
+    assert not kh._distribute.replicas_on_missing_devices(
+        helpers.mirrored(DEVICES[:2])
+    )
+
+
+@pytest.mark.timeout(300)
+def test_untrainable_model_on_four_missing_devices_fits():
+    def make(cls):
+        with tf.distribute.MirroredStrategy(_MISSING).scope():
+            inputs = keras.Input((1,))
+            outputs = keras.layers.Dense(
+                1, kernel_initializer="zeros", bias_initializer="ones"
+            )(inputs)
+            model = cls(inputs, outputs)
+        model.trainable = False
+        model.compile(optimizer="sgd", loss="mean_absolute_error")
+        return model
+
+    # Outputs 1, targets 2: every loss is 1. Batches of 8 split evenly
+    # (stock Keras 3 cannot build on uneven per-replica batches).
+    x, y = 2 * np.ones((40, 1)), 2 * np.ones((40, 1))
+    logs = []
+    for model in (make(keras.Model), make(kh.HeteroModel)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no trainable weights"
+            history = model.fit(x, y, batch_size=8, verbose=0)
+        evaluated = model.evaluate(x, y, batch_size=8, verbose=0)
+        logs.append([*history.history["loss"], evaluated])
+    np.testing.assert_allclose(logs[1], logs[0], rtol=1e-6)
+    np.testing.assert_allclose(logs[1], 1.0, rtol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_training_on_missing_devices_matches_one_device():
+    # Stock Keras hangs here (both flavours: its optimizer's all-reduce).
+    reference, want = helpers.reference_fit()
+    strategy = tf.distribute.MirroredStrategy(_MISSING[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    history = model.fit(
+        kh.data.shard(
+            helpers.examples(),
+            helpers.GLOBAL_BATCH,
+            strategy=strategy,
+            shares=[3, 1],
+        ),
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    np.testing.assert_allclose(history.history["loss"], want["loss"], rtol=1e-5)
+    assert model.step_stats.rows.tolist() == [6, 2]
