@@ -149,6 +149,24 @@ def compile_arguments(model):
     return arguments
 
 
+def reduce_logs_to_first_replica(model, own_steps):
+    """tf-keras: `fit` / `evaluate` take replica 0's logs of our steps.
+
+    HeteroModel's `train_step` / `test_step` return global logs, the same
+    on every replica; tf-keras' default reduction ("auto": "sum") would add
+    them up across workers under MultiWorkerMirroredStrategy. A subclass
+    with its own steps returns its own logs (tf-keras' tests return
+    per-replica shares of a global mean), so Keras' default stays.
+
+    Args:
+        model: The HeteroModel being initialised.
+        own_steps: Whether its `train_step` and `test_step` are
+            HeteroModel's.
+    """
+    if IS_LEGACY and own_steps:
+        model.distribute_reduction_method = "first"
+
+
 def model_strategy(model):
     """The strategy `model` was created under, or None."""
     if IS_LEGACY:

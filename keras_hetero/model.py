@@ -147,9 +147,11 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             communication=communication,
             global_clipnorm=global_clipnorm,
         )
-        if _compat.IS_LEGACY:
-            # Our logs are global and identical on every replica.
-            self.distribute_reduction_method = "first"
+        _compat.reduce_logs_to_first_replica(
+            self,
+            type(self).train_step is HeteroModel.train_step
+            and type(self).test_step is HeteroModel.test_step,
+        )
 
     @classmethod
     def from_model(cls, model, **kwargs):

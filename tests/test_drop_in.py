@@ -608,3 +608,37 @@ def test_training_on_missing_devices_matches_one_device():
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
     np.testing.assert_allclose(history.history["loss"], want["loss"], rtol=1e-5)
     assert model.step_stats.rows.tolist() == [6, 2]
+
+
+def test_subclass_with_own_steps_keeps_keras_log_reduction():
+    """A subclass's own `train_step` / `test_step` return what Keras' would
+    reduce: here each replica's share of a global mean (tf-keras' test)."""
+    batch_size = 8
+
+    def make(base):
+        class OwnSteps(base):
+            def _share(self, data):
+                ones = tf.ones_like(data[0][:, 0])
+                return tf.nn.compute_average_loss(
+                    ones, global_batch_size=batch_size
+                )
+
+            def train_step(self, data):
+                return {"loss": self._share(data)}
+
+            def test_step(self, data):
+                return {"metric": self._share(data)}
+
+        with helpers.mirrored(DEVICES[:4]).scope():
+            inputs = keras.Input((1,))
+            model = OwnSteps(inputs, keras.layers.Dense(1)(inputs))
+            model.compile()
+        return model
+
+    x = np.ones((40, 1), "float32")
+    logs = []
+    for model in (make(keras.Model), make(kh.HeteroModel)):
+        history = model.fit(x, x, batch_size=batch_size, epochs=2, verbose=0)
+        evaluated = model.evaluate(x, x, batch_size=batch_size, verbose=0)
+        logs.append([*history.history["loss"], evaluated])
+    np.testing.assert_allclose(logs[1], logs[0], rtol=1e-6)
