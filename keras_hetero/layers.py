@@ -384,15 +384,7 @@ def _device_name(device):
 
 
 def _is_available(device):
-    # This machine's devices by type and index; the job and task a hint may
-    # name are the strategy's business (the same model runs on every worker).
-    local = tf.DeviceSpec.from_string(device).replace(
-        job=None, replica=None, task=None
-    )
-    return any(
-        _distribute.device_matches(local.to_string(), logical.name)
-        for logical in tf.config.list_logical_devices()
-    )
+    return _distribute.is_local_device(device)
 
 
 def _available_names():

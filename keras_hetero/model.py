@@ -151,7 +151,11 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             communication=communication,
             global_clipnorm=global_clipnorm,
         )
-        _compat.logs_are_global(self)
+        _compat.reduce_logs_to_first_replica(
+            self,
+            type(self).train_step is HeteroModel.train_step
+            and type(self).test_step is HeteroModel.test_step,
+        )
 
     @classmethod
     def from_model(cls, model, **kwargs):
@@ -736,12 +740,11 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             repeat=repeat, class_weight=class_weight
         )
 
-    # --- config ------------------------------------------------------------
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(self._hetero.config())
-        return config
+    # No `get_config` here: a subclass gets what Keras gives a subclass of
+    # `keras.Model` (its own `__init__` arguments, captured when it is
+    # made), and HeteroModel's settings are not arguments of its `__init__`
+    # unless it passes them on, when the capture has them. The functional
+    # and wrapping classes below add the settings to their configs.
 
 
 @_compat.register_serializable("HeteroModel")
@@ -790,6 +793,7 @@ class _WrappedModel(HeteroModel):
     def get_config(self):
         config = {
             **super().get_config(),
+            **self._hetero.config(),
             "model": keras.saving.serialize_keras_object(self.wrapped),
         }
         optimizer = getattr(self, "optimizer", None)
@@ -927,13 +931,21 @@ def _check_options(
 
 
 def _times(grad, factor):
+    """`grad * factor` in the gradient's dtype (a float16 variable's is
+    float16), the product taken in float32: an overflow becomes inf, which
+    the finite check after aggregation catches."""
     if grad is None:
         return None
+
+    def scaled(values):
+        product = tf.cast(values, tf.float32) * tf.cast(factor, tf.float32)
+        return tf.cast(product, values.dtype)
+
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(
-            grad.values * factor, grad.indices, grad.dense_shape
+            scaled(grad.values), grad.indices, grad.dense_shape
         )
-    return grad * factor
+    return scaled(grad)
 
 
 def _parameter_server_arguments(method, x, y, args, kwargs):

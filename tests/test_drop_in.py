@@ -309,3 +309,322 @@ def test_public_keras_is_the_selected_flavour():
     expected = "tf_keras" if kh.FLAVOUR == "tf-keras" else "keras"
     assert kh.keras.__name__.split(".")[0] == expected
     assert kh.keras is kh._compat.keras
+
+
+# --- tf-keras' training_test causes (issue 17), checked on both flavours ----
+
+
+def _stock_and_hetero(make):
+    """`make(cls)` for keras.Model and kh.HeteroModel, seeded alike."""
+    models = []
+    for cls in (keras.Model, kh.HeteroModel):
+        keras.utils.set_random_seed(3)
+        models.append(make(cls))
+    return models
+
+
+def _error_of(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - compared with Keras' own
+        return error
+    return None
+
+
+def test_fit_without_targets_gives_keras_own_error():
+    def make(cls):
+        model = cls(*helpers.layers())
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    stock, model = _stock_and_hetero(make)
+    want = _error_of(lambda: stock.fit(X, verbose=0))
+    got = _error_of(lambda: model.fit(X, verbose=0))
+    assert want is not None
+    assert type(got) is type(want)
+    if kh.FLAVOUR == "tf-keras":
+        assert "Target data is missing" in str(got)
+
+
+class _ActivityLoss(keras.layers.Layer):
+    """Identity that adds the mean square of its input as a loss."""
+
+    def call(self, inputs):
+        self.add_loss(tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+def test_model_with_only_add_loss_fits_without_targets():
+    def make(cls, strategy=None):
+        with strategy.scope() if strategy else _no_scope():
+            inputs = keras.Input((helpers.FEATURES,))
+            hidden = keras.layers.Dense(
+                3, kernel_initializer=keras.initializers.GlorotUniform(seed=4)
+            )(inputs)
+            model = cls(inputs, _ActivityLoss()(hidden))
+            model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model
+
+    stock = make(keras.Model)
+    stock.fit(X, batch_size=16, shuffle=False, epochs=2, verbose=0)
+    for strategy in (None, helpers.mirrored(DEVICES[:2])):
+        model = make(kh.HeteroModel, strategy)
+        history = model.fit(
+            X, batch_size=16, shuffle=False, epochs=2, verbose=0
+        )
+        helpers.assert_weights_close(model.get_weights(), stock.get_weights())
+        assert np.isfinite(history.history["loss"]).all()
+
+
+def _config_subclasses(base):
+    class Default(base):
+        def __init__(self, units):
+            super().__init__()
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+    class Kwargs(base):
+        def __init__(self, units, **kwargs):
+            super().__init__()  # as tf-keras' test: `kwargs` kept unused
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+    class Override(base):
+        def __init__(self, units):
+            super().__init__()
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+        def get_config(self):
+            return {"units": int(self.units), **super().get_config()}
+
+    return {
+        "default": Default(units=10),
+        "kwargs": Kwargs(10, extra=1),
+        "override": Override(units=np.int32(10)),
+    }
+
+
+def _config_or_error(model):
+    """`get_config()` without the name (numbered per class), or the type of
+    the error (Keras 3 refuses a subclass without `get_config` whose
+    `__init__` has no `**kwargs`)."""
+    error = _error_of(model.get_config)
+    if error is not None:
+        return type(error)
+    config = dict(model.get_config())
+    config.pop("name", None)
+    return config
+
+
+def _round_trip(model):
+    """The config of `from_config(get_config())`, or the error's type."""
+    config = _config_or_error(model)
+    if not isinstance(config, dict):
+        return config
+    clone = _error_of(lambda: type(model).from_config(model.get_config()))
+    if clone is not None:
+        return type(clone)
+    clone = type(model).from_config(model.get_config())
+    assert isinstance(clone, type(model))
+    return _config_or_error(clone)
+
+
+def test_subclass_get_config_is_keras_own():
+    stock = _config_subclasses(keras.Model)
+    ours = _config_subclasses(kh.HeteroModel)
+    for kind, model in ours.items():
+        assert _config_or_error(model) == _config_or_error(stock[kind]), kind
+        assert _round_trip(model) == _round_trip(stock[kind]), kind
+    if kh.FLAVOUR == "tf-keras":  # Keras 3 revives none of them
+        for model in ours.values():
+            assert _round_trip(model) == _config_or_error(model)
+
+
+@pytest.mark.skipif(
+    kh.FLAVOUR != "tf-keras",
+    reason="Keras 3 captures no `__init__` arguments of Model subclasses",
+)
+def test_subclass_passing_settings_on_keeps_them_in_config():
+    class Passing(kh.HeteroModel):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+
+        def call(self, inputs):
+            return inputs
+
+    model = Passing(3, accumulation_steps=2)
+    clone = Passing.from_config(model.get_config())
+    assert clone._hetero.accumulation_steps == 2
+    assert Passing(3).get_config().get("accumulation_steps", 1) == 1
+
+
+def _loss_scale_optimizer(optimizer):
+    if kh.FLAVOUR == "tf-keras":
+        return keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return keras.optimizers.LossScaleOptimizer(optimizer)
+
+
+@pytest.mark.parametrize(
+    "extra_losses",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                kh.FLAVOUR != "tf-keras",
+                # Keras 3.15 itself: "Cannot convert a list containing a
+                # tensor of dtype float16 to float32" (its regularisers).
+                reason="tf-keras sums regularisers of mixed dtypes",
+            ),
+        ),
+    ],
+)
+def test_losses_of_float16_and_float32_outputs(extra_losses):
+    """A float16 output's loss is summed with a float32 one (cast as Keras
+    does; float16 gradients scaled by the loss scale and the rows).
+
+    The reference is keras.Model with a LossScaleOptimizer, which scales
+    the loss as HeteroModel does when a layer computes in float16 (same
+    initial scale and growth); one row a step, so both skip the same steps.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 2)).astype("float32")
+    y = rng.normal(size=(12, 2)).astype("float32")
+    regularizer = "l2" if extra_losses else None
+
+    def make(cls):
+        inputs = keras.Input((2,))
+        out_32 = keras.layers.Dense(
+            2, dtype="float32", kernel_regularizer=regularizer
+        )(inputs)
+        out_16 = keras.layers.Dense(
+            2, dtype="float16", kernel_regularizer=regularizer
+        )(inputs)
+        model = cls(inputs, [out_32, out_16])
+        if extra_losses:  # tf-keras' test: a float64 loss as well
+            model.add_loss(0.01 * tf.reduce_sum(tf.cast(out_16, "float64")))
+        optimizer = _loss_scale_optimizer(keras.optimizers.SGD(0.05))
+        model.compile(optimizer=optimizer, loss=["mse", "mse"])
+        return model
+
+    stock, model = _stock_and_hetero(make)
+    assert model.loss_scale is not None
+    before = model.get_weights()
+    histories = [
+        m.fit(x, [y, y], batch_size=1, epochs=2, shuffle=False, verbose=0)
+        for m in (stock, model)
+    ]
+    weights = model.get_weights()
+    assert [w.dtype for w in weights][-2:] == [np.float16, np.float16]
+    helpers.assert_weights_close(weights, stock.get_weights())
+    np.testing.assert_allclose(
+        histories[1].history["loss"], histories[0].history["loss"], rtol=1e-5
+    )
+    assert not np.allclose(weights[-2], before[-2])  # float16 ones trained
+
+
+# Devices this process does not have (conftest makes /cpu:0-3): TensorFlow
+# places the replicas on an existing device, as in tf-keras' own
+# `test_distribution_reduction_method_sum_*` (it names /cpu:1-4 of a host
+# with one CPU device). A collective in replica context hangs there.
+_MISSING = ["/cpu:4", "/cpu:5", "/cpu:6", "/cpu:7"]
+
+
+def test_replicas_on_missing_devices_are_detected():
+    assert kh._distribute.replicas_on_missing_devices(
+        tf.distribute.MirroredStrategy(_MISSING[:2])
+    )
+    assert not kh._distribute.replicas_on_missing_devices(
+        helpers.mirrored(DEVICES[:2])
+    )
+
+
+@pytest.mark.timeout(300)
+def test_untrainable_model_on_four_missing_devices_fits():
+    def make(cls):
+        with tf.distribute.MirroredStrategy(_MISSING).scope():
+            inputs = keras.Input((1,))
+            outputs = keras.layers.Dense(
+                1, kernel_initializer="zeros", bias_initializer="ones"
+            )(inputs)
+            model = cls(inputs, outputs)
+        model.trainable = False
+        model.compile(optimizer="sgd", loss="mean_absolute_error")
+        return model
+
+    # Outputs 1, targets 2: every loss is 1. Batches of 8 split evenly
+    # (stock Keras 3 cannot build on uneven per-replica batches).
+    x, y = 2 * np.ones((40, 1)), 2 * np.ones((40, 1))
+    logs = []
+    for model in (make(keras.Model), make(kh.HeteroModel)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no trainable weights"
+            history = model.fit(x, y, batch_size=8, verbose=0)
+        evaluated = model.evaluate(x, y, batch_size=8, verbose=0)
+        logs.append([*history.history["loss"], evaluated])
+    np.testing.assert_allclose(logs[1], logs[0], rtol=1e-6)
+    np.testing.assert_allclose(logs[1], 1.0, rtol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_training_on_missing_devices_matches_one_device():
+    # Stock Keras hangs here (both flavours: its optimizer's all-reduce).
+    reference, want = helpers.reference_fit()
+    strategy = tf.distribute.MirroredStrategy(_MISSING[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    history = model.fit(
+        kh.data.shard(
+            helpers.examples(),
+            helpers.GLOBAL_BATCH,
+            strategy=strategy,
+            shares=[3, 1],
+        ),
+        epochs=2,
+        verbose=0,
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    np.testing.assert_allclose(history.history["loss"], want["loss"], rtol=1e-5)
+    assert model.step_stats.rows.tolist() == [6, 2]
+
+
+def test_subclass_with_own_steps_keeps_keras_log_reduction():
+    """A subclass's own `train_step` / `test_step` return what Keras' would
+    reduce: here each replica's share of a global mean (tf-keras' test)."""
+    batch_size = 8
+
+    def make(base):
+        class OwnSteps(base):
+            def _share(self, data):
+                ones = tf.ones_like(data[0][:, 0])
+                return tf.nn.compute_average_loss(
+                    ones, global_batch_size=batch_size
+                )
+
+            def train_step(self, data):
+                return {"loss": self._share(data)}
+
+            def test_step(self, data):
+                return {"metric": self._share(data)}
+
+        with helpers.mirrored(DEVICES[:4]).scope():
+            inputs = keras.Input((1,))
+            model = OwnSteps(inputs, keras.layers.Dense(1)(inputs))
+            model.compile()
+        return model
+
+    x = np.ones((40, 1), "float32")
+    logs = []
+    for model in (make(keras.Model), make(kh.HeteroModel)):
+        history = model.fit(x, x, batch_size=batch_size, epochs=2, verbose=0)
+        evaluated = model.evaluate(x, x, batch_size=batch_size, verbose=0)
+        logs.append([*history.history["loss"], evaluated])
+    np.testing.assert_allclose(logs[1], logs[0], rtol=1e-6)

@@ -78,15 +78,6 @@ CONVERTS_OPTIONAL_INPUTS = not IS_LEGACY and KERAS_RELEASE >= (3, 12)
 REPEATS_DISTRIBUTED_INPUT = IS_LEGACY
 
 
-def logs_are_global(model):
-    """Tells Keras that the step's logs are already global (identical on
-    every replica). tf-keras' default (`distribute_reduction_method=
-    "auto"`) sums them across replicas off TPU; Keras 3's averages them,
-    which leaves identical values as they are."""
-    if IS_LEGACY:
-        model.distribute_reduction_method = "first"
-
-
 def register_serializable(name):
     """`register_keras_serializable` under the `keras_hetero` package."""
     return keras.saving.register_keras_serializable(
@@ -166,6 +157,24 @@ def compile_arguments(model):
     return arguments
 
 
+def reduce_logs_to_first_replica(model, own_steps):
+    """tf-keras: `fit` / `evaluate` take replica 0's logs of our steps.
+
+    HeteroModel's `train_step` / `test_step` return global logs, the same
+    on every replica; tf-keras' default reduction ("auto": "sum") would add
+    them up across workers under MultiWorkerMirroredStrategy. A subclass
+    with its own steps returns its own logs (tf-keras' tests return
+    per-replica shares of a global mean), so Keras' default stays.
+
+    Args:
+        model: The HeteroModel being initialised.
+        own_steps: Whether its `train_step` and `test_step` are
+            HeteroModel's.
+    """
+    if IS_LEGACY and own_steps:
+        model.distribute_reduction_method = "first"
+
+
 def model_strategy(model):
     """The strategy `model` was created under, or None."""
     if IS_LEGACY:
@@ -184,6 +193,12 @@ def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
     """
     if IS_LEGACY:
         loss = model.compute_loss(x, y, y_pred, sample_weight)
+        if training:
+            # tf-keras' own `train_step` check (`Model._validate_target_and_
+            # loss`): a compiled loss without targets ("Target data is
+            # missing"), or no loss at all. Its compiled loss skips outputs
+            # without targets, so `add_loss` losses alone train without.
+            model._validate_target_and_loss(y, loss)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if num_replicas > 1:
             loss = loss * tf.cast(num_replicas, loss.dtype)

@@ -7,6 +7,8 @@ tensors so it can be tested alone.
 
 import tensorflow as tf
 
+from keras_hetero import _distribute
+
 WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
 
 
@@ -55,6 +57,8 @@ def all_reduce_sum(tensors, options=None):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return list(tensors)
+    if _distribute.replicas_on_missing_devices(context.strategy):
+        return _sum_in_cross_replica_context(context, tensors)
     by_dtype = {}
     for position, tensor in enumerate(tensors):
         if tensor is not None:
@@ -69,6 +73,25 @@ def all_reduce_sum(tensors, options=None):
         for position, value in zip(positions, values):
             reduced[position] = value
     return reduced
+
+
+def _sum_in_cross_replica_context(context, tensors):
+    """`all_reduce_sum` for replicas on devices this process does not have
+    (see `_distribute.replicas_on_missing_devices`), where a collective in
+    replica context would hang: one `strategy.reduce` per tensor in a
+    `merge_call`, as Keras reduces its logs there."""
+    present = [
+        tf.convert_to_tensor(tensor) for tensor in tensors if tensor is not None
+    ]
+
+    def merge(strategy, *values):
+        return [
+            strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+            for value in values
+        ]
+
+    summed = iter(context.merge_call(merge, args=tuple(present)))
+    return [None if tensor is None else next(summed) for tensor in tensors]
 
 
 def divide(grads, denominator):
