@@ -237,12 +237,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             y_pred, mean_loss = self._forward(x, y, sample_weight, rows)
             row_count = tf.cast(rows, tf.float32)
             scale = hetero.loss_scale
-            if scale is None:
-                target = mean_loss * row_count
-            else:
-                # Scale the mean as Keras does, so float16 activations'
-                # gradients do not grow with the replica's rows.
-                target = mean_loss * scale.scale
+            target = loss_scale_lib.loss_to_differentiate(
+                mean_loss, row_count, scale
+            )
         # After the forward pass, as in Keras: a model whose layers build on
         # their first call has its variables only now.
         variables = self.trainable_variables
@@ -261,8 +258,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "The model does not have any trainable weights.", stacklevel=2
             )
         grads = tape.gradient(target, variables) if variables else []
-        if scale is not None:
-            grads = [_times(g, row_count) for g in grads]
+        grads = loss_scale_lib.gradients_of_sum(grads, row_count, scale)
         with tf.control_dependencies(_dependencies(grads)):
             seconds = telemetry.clock(rows, timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -279,8 +275,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if accumulator is not None:
             grads, rows_so_far, ready = accumulator.add(grads, global_rows)
             stored = grads
-        divisor = rows_so_far if scale is None else rows_so_far * scale.scale
-        grads = aggregation.divide(grads, divisor)
+        grads = aggregation.divide(
+            grads, loss_scale_lib.divisor(rows_so_far, scale)
+        )
         grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
 
         # Nothing in the optimizer's update may run before this step's data
@@ -293,15 +290,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
 
         with tf.control_dependencies([global_rows]):
-            if not variables:
-                pass  # Keras skips the update too (it has nothing to update).
-            elif scale is not None:
-                # Skipped everywhere if any replica's gradient overflowed.
-                scale.apply_if_finite(apply, grads, ready)
-            elif ready is not None:
-                accumulation.apply_when(ready, apply, grads)
-            else:
-                apply(grads)
+            # No variables: Keras skips the update too (nothing to update).
+            if variables:
+                loss_scale_lib.guarded_apply(apply, grads, scale, ready)
             if accumulator is not None:
                 accumulator.store(stored, rows_so_far, ready)
         if hetero.telemetry is not None:
@@ -928,24 +919,6 @@ def _check_options(
             f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
             "or None."
         )
-
-
-def _times(grad, factor):
-    """`grad * factor` in the gradient's dtype (a float16 variable's is
-    float16), the product taken in float32: an overflow becomes inf, which
-    the finite check after aggregation catches."""
-    if grad is None:
-        return None
-
-    def scaled(values):
-        product = tf.cast(values, tf.float32) * tf.cast(factor, tf.float32)
-        return tf.cast(product, values.dtype)
-
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            scaled(grad.values), grad.indices, grad.dense_shape
-        )
-    return scaled(grad)
 
 
 def _parameter_server_arguments(method, x, y, args, kwargs):

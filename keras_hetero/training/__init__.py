@@ -8,7 +8,7 @@ them (the step itself is in `keras_hetero/model.py`):
    rows x mean, divided by the global rows), compressed on the wire if
    asked, clipped after aggregation.
 4. `accumulation`: sums over `accumulation_steps` micro-steps;
-   `loss_scale.apply_when`: the guarded apply (skipped everywhere when a
+   `loss_scale.guarded_apply`: the guarded apply (skipped everywhere when a
    replica's gradient is not finite).
 5. `telemetry`: per-replica rows and seconds -> `StepStats`.
 

@@ -116,39 +116,3 @@ class GradientAccumulator:
             )
         )
         return tf.group(updates)
-
-
-def apply_when(predicate, apply_fn, grads, after=None, after_args=()):
-    """In replica context: `apply_fn(grads)` on every replica iff `predicate`.
-
-    `predicate` (and `after_args`) must be identical on all replicas, e.g.
-    computed from aggregated values. The branch runs in cross-replica
-    context: a `tf.cond` in replica context may not contain the optimizer's
-    own `merge_call`.
-
-    Args:
-        predicate: Scalar bool tensor.
-        apply_fn: Called in replica context with `grads`.
-        grads: Gradients to apply.
-        after: Optional; called in cross-replica context with `after_args`
-            once the branch is done (e.g. to update a loss scale).
-        after_args: Tensors for `after` (first replica's values).
-    """
-    context = tf.distribute.get_replica_context()
-
-    def cross_replica(strategy, grads, predicate, after_args):
-        def first(value):
-            return strategy.experimental_local_results(value)[0]
-
-        def apply():
-            strategy.extended.call_for_each_replica(apply_fn, args=(grads,))
-            return tf.constant(True)
-
-        applied = tf.cond(first(predicate), apply, lambda: tf.constant(False))
-        if after is not None:
-            with tf.control_dependencies([applied]):
-                after(*[first(value) for value in after_args])
-
-    context.merge_call(
-        cross_replica, args=(grads, predicate, tuple(after_args))
-    )
