@@ -36,62 +36,6 @@ _WORKER_GONE = (
 )
 
 
-class WorkerTelemetry:
-    """Per-worker steps, rows and seconds of the collected closures.
-
-    `step_stats()` has the `telemetry.StepStats` shape with one entry per
-    worker: the steps collected since the previous train batch ended (a
-    worker that ran none has 0 rows). `compute_seconds` is each closure's
-    whole time on its worker (input, step and parameter-server traffic).
-    """
-
-    def __init__(self, num_workers):
-        self.devices = [
-            f"/job:worker/replica:0/task:{index}"
-            for index in range(num_workers)
-        ]
-        self.reset()
-
-    def reset(self):
-        workers = len(self.devices)
-        self._step = 0
-        self._stats = None
-        self.steps_per_worker = np.zeros(workers, np.int64)
-        self.seconds_per_worker = np.zeros(workers, np.float64)
-        # Steps whose worker failed before its results were fetched.
-        self.unattributed_steps = 0
-
-    def add(self, results):
-        """Records `(worker, rows, seconds, steps)` tuples of one batch end."""
-        workers = len(self.devices)
-        rows = np.zeros(workers, np.int64)
-        seconds = np.zeros(workers, np.float64)
-        steps = 0
-        for worker, worker_rows, worker_seconds, worker_steps in results:
-            rows[worker] += worker_rows
-            seconds[worker] += worker_seconds
-            self.steps_per_worker[worker] += worker_steps
-            self.seconds_per_worker[worker] += worker_seconds
-            steps += worker_steps
-        self._step += steps
-        self._stats = telemetry.StepStats(
-            step=self._step,
-            steps=steps,
-            rows=rows,
-            compute_seconds=seconds,
-            devices=list(self.devices),
-        )
-
-    def step_stats(self):
-        return self._stats
-
-    def snapshot(self):
-        """Nothing to do: `add` is called at every batch end."""
-
-    def record(self, gathered_stats):
-        """Nothing to do in the step: the runner times each closure."""
-
-
 class ParameterServerRunner:
     """Runs a HeteroModel's `fit` / `evaluate` through a ClusterCoordinator.
 
@@ -112,7 +56,7 @@ class ParameterServerRunner:
         workers = _compat.coordinator_workers(self.coordinator)
         self.num_workers = len(workers)
         self.worker_ids = _worker_ids(self.coordinator)
-        self.telemetry = WorkerTelemetry(self.num_workers)
+        self.telemetry = telemetry.WorkerTelemetry(self.num_workers)
         self._closures = {}
 
     # --- input --------------------------------------------------------------

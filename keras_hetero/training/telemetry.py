@@ -84,7 +84,36 @@ def stats_vector(num_replicas, rows, seconds):
     )
 
 
-class Telemetry:
+class TelemetrySource:
+    """Where `HeteroModel.step_stats` comes from: one protocol, two sources.
+
+    `Telemetry` (every strategy but ParameterServerStrategy) sums each
+    step's all-reduced stats into a variable inside the step;
+    `WorkerTelemetry` (ParameterServerStrategy) is filled by the runner
+    from each closure's timing on its worker, so its in-step methods do
+    nothing. The model calls `reset` when `fit` starts, `record` inside
+    the step, `snapshot` after each train-function call; callbacks read
+    `step_stats`.
+    """
+
+    def reset(self):
+        """Starts a new series (at the start of `fit`)."""
+        raise NotImplementedError
+
+    def record(self, gathered_stats):
+        """Adds one step's gathered stats (inside the replica step)."""
+        raise NotImplementedError
+
+    def snapshot(self):
+        """Marks the end of one train-function call."""
+        raise NotImplementedError
+
+    def step_stats(self):
+        """`StepStats` of the last call, or None."""
+        raise NotImplementedError
+
+
+class Telemetry(TelemetrySource):
     """Holds the running totals variable and turns it into `StepStats`.
 
     The variable is `[steps, rows_0..rows_R-1, seconds_0..seconds_R-1]`,
@@ -166,3 +195,60 @@ def _first_copy(variable):
 
 def _host(value):
     return value if isinstance(value, np.ndarray) else value.numpy()
+
+
+class WorkerTelemetry(TelemetrySource):
+    """Per-worker steps, rows and seconds of the collected closures.
+
+    `step_stats()` has the `telemetry.StepStats` shape with one entry per
+    worker: the steps collected since the previous train batch ended (a
+    worker that ran none has 0 rows). `compute_seconds` is each closure's
+    whole time on its worker (input, step and parameter-server traffic).
+    """
+
+    def __init__(self, num_workers):
+        self.devices = [
+            f"/job:worker/replica:0/task:{index}"
+            for index in range(num_workers)
+        ]
+        self.reset()
+
+    def reset(self):
+        workers = len(self.devices)
+        self._step = 0
+        self._stats = None
+        self.steps_per_worker = np.zeros(workers, np.int64)
+        self.seconds_per_worker = np.zeros(workers, np.float64)
+        # Steps whose worker failed before its results were fetched.
+        self.unattributed_steps = 0
+
+    def add(self, results):
+        """Records `(worker, rows, seconds, steps)` tuples of one batch end."""
+        workers = len(self.devices)
+        rows = np.zeros(workers, np.int64)
+        seconds = np.zeros(workers, np.float64)
+        steps = 0
+        for worker, worker_rows, worker_seconds, worker_steps in results:
+            rows[worker] += worker_rows
+            seconds[worker] += worker_seconds
+            self.steps_per_worker[worker] += worker_steps
+            self.seconds_per_worker[worker] += worker_seconds
+            steps += worker_steps
+        self._step += steps
+        self._stats = StepStats(
+            step=self._step,
+            steps=steps,
+            rows=rows,
+            compute_seconds=seconds,
+            devices=list(self.devices),
+        )
+
+    def step_stats(self):
+        return self._stats
+
+    def snapshot(self):
+        """Nothing to do: the runner calls `add` at every batch end."""
+
+    def record(self, gathered_stats):
+        """Nothing to do in the step: the runner times each closure on its
+        worker and calls `add` with the results."""
