@@ -1,0 +1,438 @@
+"""The step's Keras internals: loss, metrics, the optimizer's update, and Keras
+3's trainer overrides."""
+
+import threading
+
+import tensorflow as tf
+
+from keras_hetero._compat.flavour import CONVERTS_OPTIONAL_INPUTS
+from keras_hetero._compat.flavour import EPOCH_ITERATOR_YIELDS_STEP_RANGE
+from keras_hetero._compat.flavour import IS_LEGACY
+from keras_hetero._compat.flavour import KERAS_VERSION
+from keras_hetero._compat.flavour import _loss_module
+from keras_hetero._compat.flavour import _TFOptimizer
+from keras_hetero._compat.flavour import keras
+from keras_hetero._compat.model import build_optimizer
+
+
+def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
+    """This replica's mean loss over its own rows, regularisers included.
+
+    Both flavours divide the compiled loss and the regularisation losses by
+    `num_replicas_in_sync` so that a SUM across replicas gives the mean of
+    per-replica means. We undo that here; the caller re-weights by rows.
+    tf-keras also updates its `loss` tracker inside `compute_loss`; for Keras 3
+    we update `_loss_tracker` the way its own `train_step` does.
+    """
+    if IS_LEGACY:
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+        if training:
+            # tf-keras' own `train_step` check (`Model._validate_target_and_
+            # loss`): a compiled loss without targets ("Target data is
+            # missing"), or no loss at all. Its compiled loss skips outputs
+            # without targets, so `add_loss` losses alone train without.
+            model._validate_target_and_loss(y, loss)
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if num_replicas > 1:
+            loss = loss * tf.cast(num_replicas, loss.dtype)
+        return loss
+    _row_weighted_output_losses(model)
+    # One replica keeps stock Keras' numbers (each batch once in the epoch's
+    # `<output>_loss`, also a partial last one).
+    several = tf.distribute.get_strategy().num_replicas_in_sync > 1
+    _replica_rows.value = rows if several else None
+    try:
+        loss = model._compute_loss(
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=training,
+        )
+    finally:
+        _replica_rows.value = None
+    loss = _loss_module.unscale_loss_for_distribution(loss)
+    model._loss_tracker.update_state(loss, sample_weight=rows)
+    return loss
+
+
+# The rows of the batch whose loss this thread is computing (MirroredStrategy
+# traces each replica in its own thread).
+_replica_rows = threading.local()
+
+
+def _row_weighted_output_losses(model):
+    """Keras 3: weights the `<output>_loss` logs by the replica's rows.
+
+    Upstream (Keras 3.15, `CompileLoss.call` in
+    keras/src/trainers/compile_utils.py): each output's loss metric is
+    updated with `sample_weight=y_pred.shape[0]`, the STATIC batch size,
+    which is None inside a traced step whose batch size varies; each
+    replica's mean then counts once, whatever its rows, so with uneven rows
+    per replica the logs are the unweighted mean of per-replica means (the
+    total `loss` log uses the dynamic `tf.shape`). Here each of those
+    metrics takes the rows `unscaled_mean_loss` is computing the loss of
+    instead. The metrics exist once `CompileLoss` is built, which may
+    happen inside the first `_compute_loss`; idempotent.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None or getattr(compile_loss, "_kh_rows", False):
+        return
+    compile_loss._kh_rows = True
+
+    def weight_by_rows():
+        for metric in compile_loss.metrics:
+            metric.update_state = _rows_as_weight(metric.update_state)
+
+    if compile_loss.built:
+        weight_by_rows()
+        return
+    build = compile_loss.build
+
+    def build_then_weight(*args, **kwargs):
+        result = build(*args, **kwargs)
+        weight_by_rows()
+        return result
+
+    compile_loss.build = build_then_weight
+
+
+def _rows_as_weight(update_state):
+    def update(values, sample_weight=None):
+        rows = getattr(_replica_rows, "value", None)
+        return update_state(
+            values, sample_weight=sample_weight if rows is None else rows
+        )
+
+    return update
+
+
+def update_metrics(model, x, y, y_pred, sample_weight):
+    """Updates the compiled metrics with this replica's rows."""
+    if IS_LEGACY:
+        model.compiled_metrics.update_state(y, y_pred, sample_weight)
+    else:
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _already_aggregated(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def skip_optimizer_all_reduce(optimizer, strategy):
+    """Makes this Keras 3 optimizer instance apply gradients as given.
+
+    Keras 3's TF optimizer always SUM-all-reduces gradients in replica context
+    (`TFOptimizer._all_reduce_sum_gradients`, no opt-out flag). HeteroModel's
+    gradients are already aggregated (and clipped after aggregation), so the
+    optimizer it compiles with must not sum them again. The override is on
+    this instance only and is idempotent. (A context manager around each call
+    is not enough: MirroredStrategy traces replicas in parallel threads.)
+    """
+    if IS_LEGACY:
+        if (
+            isinstance(optimizer, _TFOptimizer)
+            and strategy.num_replicas_in_sync > 1
+        ):
+            # A `tf.compat.v1` optimizer's `apply_gradients` always sums the
+            # gradients across replicas (no opt-out): a second sum.
+            raise ValueError(
+                "Invalid value for argument `optimizer`. Received: "
+                f"optimizer={optimizer!r} (a `tf.compat.v1` optimizer) under "
+                f"{type(strategy).__name__} with "
+                f"{strategy.num_replicas_in_sync} replicas. Such optimizers "
+                "sum gradients across replicas themselves, after HeteroModel "
+                "has. Use a Keras optimizer (e.g. `keras.optimizers.SGD`)."
+            )
+        return
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not hasattr(type(inner), "_all_reduce_sum_gradients"):
+        raise RuntimeError(
+            "keras_hetero cannot skip the optimizer's gradient all-reduce on "
+            f"Keras {KERAS_VERSION}: `{type(inner).__name__}` has no "
+            "`_all_reduce_sum_gradients`. Install a Keras version within the "
+            "range pinned by keras-hetero."
+        )
+    inner._all_reduce_sum_gradients = _already_aggregated
+
+
+def apply_aggregated_gradients(optimizer, grads, variables):
+    """Applies gradients that are already summed across replicas."""
+    grads_and_vars = list(zip(grads, variables))
+    if IS_LEGACY:
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if isinstance(optimizer, _TFOptimizer) or replicas == 1:
+            # Nothing to skip: one replica, or a `tf.compat.v1` optimizer
+            # (which takes no flag; more replicas are refused at compile).
+            # Also where tf-keras' legacy optimizers refuse the flag
+            # (`experimental_aggregate_gradients=False is not supported for
+            # ParameterServerStrategy`: each worker steps alone there).
+            optimizer.apply_gradients(grads_and_vars)
+        elif isinstance(optimizer, keras.optimizers.legacy.Optimizer):
+            optimizer.apply_gradients(
+                grads_and_vars, experimental_aggregate_gradients=False
+            )
+        else:
+            optimizer.apply_gradients(
+                grads_and_vars, skip_gradients_aggregation=True
+            )
+        return
+    # `skip_optimizer_all_reduce` ran at compile time.
+    optimizer.apply_gradients(grads_and_vars)
+
+
+def is_loss_scale_optimizer(optimizer):
+    if IS_LEGACY:
+        return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def atomic_variable_updates():
+    """Keras 3: `assign_add` / `assign_sub` as one TensorFlow op.
+
+    Upstream (Keras 3.15, keras/src/backend/common/variables.py):
+    `Variable.assign_add(v)` is `assign(self + v)`, a read then a write. Under
+    ParameterServerStrategy several workers update the same variable on a
+    parameter server at once, and such updates get lost (measured: 9 of 10
+    optimizer `iterations` counted, metric totals short). TensorFlow's own
+    `assign_add` is atomic on the variable's device. Installed when a
+    HeteroModel first trains under ParameterServerStrategy; stateless
+    scopes keep Keras' path. tf-keras variables are TensorFlow's already.
+    """
+    if IS_LEGACY:
+        return
+    from keras.src.backend.common import stateless_scope
+    from keras.src.backend.tensorflow import core
+
+    cls = core.Variable
+    if getattr(cls, "_keras_hetero_atomic", False):
+        return
+
+    def updater(name, keras_method):
+        def update(self, value):
+            if stateless_scope.in_stateless_scope():
+                return keras_method(self, value)
+            value = self._convert_to_tensor(value, dtype=self._dtype)
+            return getattr(self._value, name)(tf.cast(value, self._value.dtype))
+
+        return update
+
+    cls.assign_add = updater("assign_add", cls.assign_add)
+    cls.assign_sub = updater("assign_sub", cls.assign_sub)
+    cls._keras_hetero_atomic = True
+
+
+class Keras3TrainerOverrides:
+    """Small replacements for Keras 3 TF-trainer internals.
+
+    Mixed into `HeteroModel` on Keras 3 only. tf-keras needs none of them.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.10-3.15 reduce the first distributed batch with
+        # `strategy.reduce("MEAN", batch, axis=None)` to build the model. That
+        # fails for uneven per-replica shapes (AddN shape mismatch) and under
+        # MultiWorkerMirroredStrategy ("Attempt to convert a value
+        # (PerReplica...)"). Building only needs shapes: take replica 0's part,
+        # with the batch dimension unknown (replica 0 may have 0 rows).
+        # It also pulls that batch from an extra iterator: an extra pass over
+        # the input (and a HeteroDataset pass that trains nothing). The
+        # distributed dataset's element spec has the shapes without reading.
+        if self._distribute_strategy is None:
+            return
+        spec = _first_local_spec(iterator)
+        if spec is not None:
+            data_batch = tf.nest.map_structure(_unbatched_spec, spec)
+        elif iterator is not None:
+            for entry in iterator:
+                it = entry[2] if EPOCH_ITERATOR_YIELDS_STEP_RANGE else entry[1]
+                data_batch = next(it)
+                break
+            data_batch = tf.nest.map_structure(
+                _unbatched_spec,
+                first_local_values(self.distribute_strategy, data_batch),
+            )
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        # Keras 3.10-3.15 reduce step outputs with `reduce_per_replica(...,
+        # "auto")`, which under MultiWorkerMirroredStrategy calls
+        # `strategy.reduce("MEAN", v, axis=0)` on scalar logs and fails with
+        # "Invalid reduction dimension 0" (tensorflow#72388). HeteroModel's
+        # steps return logs that are already global and identical on every
+        # replica, so replica 0's copy is the answer; everything else is
+        # Keras' own function (tf.function, jit_compile, steps_per_execution).
+        # Under a strategy XLA compiles each replica's step (as tf-keras
+        # does), not the whole `strategy.run`: Keras 3.15 compiles the
+        # latter, which cannot reach variables on any device but the first
+        # ("Trying to access resource ... located in device CPU:1"), e.g.
+        # under OneDeviceStrategy("/cpu:1"). Without a strategy, Keras' own
+        # structure. XLA cannot lift variables created inside HeteroModel's
+        # step, so the optimizer's are created first.
+        strategy = self.distribute_strategy
+        jit = bool(self.jit_compile) and not self.run_eagerly
+        per_replica = jit and self._distribute_strategy is not None
+        replica_step = step_function
+        if jit and self.built:
+            build_optimizer(self)
+        if per_replica:
+            replica_step = tf.function(
+                step_function, reduce_retracing=True, jit_compile=True
+            )
+
+        # Not autograph-converted, as in Keras: the user's errors (say a
+        # metric name that does not exist) keep their own type.
+        @tf.autograph.experimental.do_not_convert
+        def one_step_on_data(data):
+            outputs = strategy.run(replica_step, args=(data,))
+            return first_local_values(strategy, outputs)
+
+        looped_step = one_step_on_data
+        if not self.run_eagerly:
+            one_step_on_data = tf.function(
+                one_step_on_data,
+                reduce_retracing=True,
+                jit_compile=jit and not per_replica,
+            )
+            if self._distribute_strategy is None:
+                looped_step = one_step_on_data
+        if CONVERTS_OPTIONAL_INPUTS:
+            one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+            looped_step = self._autoconvert_optionals(looped_step)
+        steps_per_execution = int(self.steps_per_execution)
+
+        @tf.autograph.experimental.do_not_convert
+        def multi_step_on_iterator(iterator):
+            # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
+            # above and `looped_step`: run up to `steps_per_execution` steps
+            # while data lasts, never fetching a batch that the next call
+            # should get. Under a strategy the step is traced inline here:
+            # a nested tf.function around `strategy.run` (Keras' structure)
+            # or around the replica function (which MirroredStrategy wraps
+            # in one) called in this tf.cond inside tf.while_loop fails at
+            # run time with "You must feed a value for placeholder tensor
+            # 'while/cond/Placeholder'" (measured on TF 2.21, MirroredStrategy
+            # with 2 replicas; stock Keras 3.15 fails this way). The distributed
+            # Optional passed through the loop is fine.
+            if steps_per_execution == 1:
+                return tf.experimental.Optional.from_value(
+                    one_step_on_data(iterator.get_next())
+                )
+            empty_outputs = tf.experimental.Optional.empty(None)
+
+            def cond(step, optional_outputs, next_inputs):
+                return tf.logical_and(
+                    tf.less(step, steps_per_execution), next_inputs.has_value()
+                )
+
+            def body(step, optional_outputs, next_inputs):
+                def has_next():
+                    outputs = tf.experimental.Optional.from_value(
+                        looped_step(next_inputs.get_value())
+                    )
+                    empty_outputs._element_spec = outputs.element_spec
+                    return outputs
+
+                def no_has_next():
+                    optional_outputs._element_spec = empty_outputs._element_spec
+                    return optional_outputs
+
+                outputs = tf.cond(
+                    tf.logical_and(
+                        tf.less(step, steps_per_execution),
+                        next_inputs.has_value(),
+                    ),
+                    has_next,
+                    no_has_next,
+                )
+                return (
+                    step + 1,
+                    outputs,
+                    tf.cond(
+                        tf.less(step + 1, steps_per_execution),
+                        lambda: iterator.get_next_as_optional(),
+                        lambda: next_inputs,
+                    ),
+                )
+
+            _, outputs, _ = tf.while_loop(
+                cond,
+                body,
+                loop_vars=[
+                    tf.constant(0),
+                    empty_outputs,
+                    iterator.get_next_as_optional(),
+                ],
+            )
+            outputs._element_spec = empty_outputs.element_spec
+            return outputs
+
+        if not self.run_eagerly:
+            multi_step_on_iterator = tf.function(
+                multi_step_on_iterator, reduce_retracing=True
+            )
+
+        def function(iterator):
+            if isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            ):
+                outputs = multi_step_on_iterator(iterator)
+                if not outputs.has_value():
+                    raise StopIteration
+                return outputs.get_value()
+            outputs = None
+            for _, data in zip(range(steps_per_execution), iterator):
+                outputs = one_step_on_data(data)
+            return outputs
+
+        return function
+
+
+def first_local_values(strategy, structure):
+    """Replaces distributed values in `structure` by their first local part."""
+
+    def first(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(first, structure)
+
+
+def _first_local_spec(iterator):
+    """Replica 0's element spec of a Keras epoch iterator's dataset, or None."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def first(value):
+        parts = getattr(value, "_value_specs", None)
+        return parts[0] if parts else value
+
+    # A PerReplicaSpec (one spec per local replica) is a leaf of tf.nest.
+    return tf.nest.map_structure(first, spec)
+
+
+def _unbatched_spec(value):
+    if value is None:
+        return None
+    return tf.TensorSpec([None, *value.shape[1:]], value.dtype)
+
+
+class _NoTrainerOverrides:
+    """tf-keras needs no trainer overrides."""
+
+
+TrainerOverrides = _NoTrainerOverrides if IS_LEGACY else Keras3TrainerOverrides
+
+
+def has_learning_rate_schedule(optimizer):
+    """Whether `optimizer`'s learning rate is a `LearningRateSchedule`.
+    Both flavours keep the schedule in the private `_learning_rate`; the
+    public `learning_rate` is its current value."""
+    return isinstance(
+        getattr(optimizer, "_learning_rate", None),
+        keras.optimizers.schedules.LearningRateSchedule,
+    )
