@@ -64,6 +64,11 @@ class HeteroSequential(model_lib.HeteroModel, keras.Sequential):
         arguments.pop(next(iter(_SEQUENTIAL_SIGNATURE.parameters)))
         super().__init__(**arguments, **settings)
 
+    def get_config(self):
+        # Sequential's config and HeteroModel's settings (a HeteroModel
+        # subclass gets Keras' own config only; the settings are ours).
+        return {**super().get_config(), **self._hetero.config()}
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config, settings = model_lib._split_settings(config)
