@@ -8,7 +8,6 @@ every step) with `--hang-timeout` (a StragglerDetector that exits 75 on a
 hang, `kh.Timeouts`) and a short sleep per step so the faults land mid-run.
 """
 
-import glob
 import json
 import os
 import subprocess
@@ -113,11 +112,15 @@ def _start(net, tmp_path, **kwargs):
 
 
 def _finish(thread, box, log, out, attempts):
+    """Checks the finished job (`attempts`: the allowed attempt counts):
+    every example once per epoch, final weights equal the one-device run."""
     thread.join(240)
     assert not thread.is_alive(), log.text()[-4000:]
     result = box["result"]
     assert result.exit_code == 0, log.text()[-4000:]
-    assert len(result.attempts) == attempts, log.text()[-4000:]
+    attempts = (attempts,) if isinstance(attempts, int) else attempts
+    assert len(result.attempts) in attempts, log.text()[-4000:]
+    attempts = len(result.attempts)
     committed, restored = elastic._committed_attempts(out)
     elastic._assert_exactly_once(committed)
     initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))
@@ -218,5 +221,62 @@ def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(tmp_path):
     assert result.attempts[0].exit_codes[0] == 75
 
 
-def _attempt_files(out):
-    return glob.glob(os.path.join(out, "attempt*-worker0.jsonl"))
+def test_cut_shorter_than_the_timeout_continues_without_restart(tmp_path):
+    with kh.testing.NetworkHosts(2) as net:
+        thread, box, log, out = _start(net, tmp_path)
+        _wait_for_step(out, 6)
+        cut_at = time.monotonic()
+        net.cut(1)
+        time.sleep(TIMEOUT / 2)
+        net.restore(1)
+        step = _last_step(out, 0, 0)
+        _wait_for_step(out, step + 1)
+        resumed = time.monotonic() - cut_at
+        _finish(thread, box, log, out, attempts=1)
+    assert "have not reached" not in log.text()
+    print(
+        f"cut worker 1 for {TIMEOUT / 2:.1f}s at step >= 6: step "
+        f"{step + 1} done {resumed:.1f}s after the cut; no restart"
+    )
+
+
+def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
+    with kh.testing.NetworkHosts(2) as net:
+        thread, box, log, out = _start(net, tmp_path)
+        _wait_for_step(out, 4)
+        started = time.monotonic()
+        # Down 2 s, up 1 s, four times: each outage is shorter than the
+        # watchdog timeout, but they add up to more than it, and TCP's
+        # retransmission back-off grows with each: a step may outlast the
+        # timeout (measured: 1 restart in some runs, none in others).
+        net.flap(1, down=2.0, up=1.0, times=4).join()
+        flapped = time.monotonic() - started
+        result, restored = _finish(thread, box, log, out, attempts=(1, 2))
+    print(
+        f"link of worker 1 flapped 4 x (2 s down, 1 s up) over "
+        f"{flapped:.1f}s: {len(result.attempts)} attempt(s), resumed after "
+        f"steps {restored[1:]}"
+    )
+
+
+def test_launcher_backs_off_between_quick_failures(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    log = _Log()
+    started = time.monotonic()
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        1,
+        max_restarts=3,
+        backoff_seconds=0.5,
+        max_backoff_seconds=1.0,
+        output=log,
+    )
+    waits = [
+        float(line.split("waiting ")[1].split("s")[0])
+        for _, line in log.lines
+        if "waiting" in line
+    ]
+    assert result.exit_code == 3 and len(result.attempts) == 4
+    assert waits == [0.5, 1.0, 1.0]  # doubled, then capped
+    assert time.monotonic() - started >= 2.5
