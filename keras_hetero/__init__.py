@@ -18,6 +18,7 @@ from keras_hetero._compat import keras
 from keras_hetero.model import HeteroModel
 from keras_hetero.precision import set_precision
 from keras_hetero.sequential import HeteroSequential
+from keras_hetero.timeouts import Timeouts
 from keras_hetero.training.telemetry import StepStats
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "HeteroModel",
     "HeteroSequential",
     "StepStats",
+    "Timeouts",
     "callbacks",
     "set_precision",
     "checkpointing",

@@ -36,10 +36,16 @@ from keras_hetero._compat.data import (
 )
 from keras_hetero._compat.data import with_known_length as with_known_length
 from keras_hetero._compat.distribute import (
+    configure_coordination_timeouts as configure_coordination_timeouts,
+)
+from keras_hetero._compat.distribute import (
     coordinator_workers as coordinator_workers,
 )
 from keras_hetero._compat.distribute import (
     delete_coordination_value as delete_coordination_value,
+)
+from keras_hetero._compat.distribute import (
+    get_coordination_value as get_coordination_value,
 )
 from keras_hetero._compat.distribute import (
     has_coordination_value as has_coordination_value,

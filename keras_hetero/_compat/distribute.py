@@ -56,3 +56,49 @@ def has_coordination_value(key, timeout_ms):
         return True
     except Exception:  # not there in time, or no coordination service
         return False
+
+
+def get_coordination_value(key, timeout_ms):
+    """The value of `key` in the coordination service's store, or None if
+    it is not there within `timeout_ms` (or there is no service)."""
+    from tensorflow.python.eager import context
+
+    try:
+        return context.context().get_config_key_value(
+            key, timeout_in_ms=timeout_ms
+        )
+    except Exception:  # not there in time, unreachable, or no service
+        return None
+
+
+def configure_coordination_timeouts(heartbeat_ms, register_ms, shutdown_ms):
+    """Configures TF's coordination service before a
+    MultiWorkerMirroredStrategy exists: the strategy configures it only if
+    `context.context().coordination_service` is None
+    (collective_all_reduce_strategy.py, TF 2.21), with no way to pass its
+    heartbeat, register or shutdown-barrier timeouts; we configure it the
+    same way (service leader, coordinated jobs from TF_CONFIG) plus those.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.distribute.cluster_resolver import (
+        TFConfigClusterResolver,
+    )
+    from tensorflow.python.eager import context
+
+    cluster_spec = TFConfigClusterResolver().cluster_spec()
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(
+            name=job, num_tasks=cluster_spec.num_tasks(job)
+        )
+        for job in ("chief", "worker")
+        if job in cluster_spec.jobs
+    ]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        coordinated_jobs=jobs,
+        heartbeat_timeout_in_ms=heartbeat_ms,
+        cluster_register_timeout_in_ms=register_ms,
+        shutdown_barrier_timeout_in_ms=shutdown_ms,
+    )

@@ -72,6 +72,9 @@ def launch(
     grace_seconds=30.0,
     env=None,
     output=None,
+    hosts=None,
+    backoff_seconds=0.0,
+    max_backoff_seconds=60.0,
 ):
     """Runs `command` as `workers` local TF workers, restarting on failure.
 
@@ -89,13 +92,29 @@ def launch(
         env: Extra environment variables for the workers. Defaults to None.
         output: A text stream for the prefixed worker output. Defaults to
             `sys.stdout`.
+        hosts: Where the workers run: None for this machine's network
+            (`127.0.0.1`, free ports), or an object with
+            `addresses(count, restart)` (the `"ip:port"` of each worker in
+            `TF_CONFIG`) and `command(index, command)` (the command that
+            runs `command` on worker `index`'s host, e.g. `ssh HOST ...`
+            or `ip netns exec NS ...`), such as
+            `kh.testing.NetworkHosts`. Defaults to None.
+        backoff_seconds: Wait before the first restart; each further
+            restart of an attempt that failed within
+            `backoff_seconds * 2 ** k` seconds of its start waits twice as
+            long (so a flapping link cannot cause a restart storm), up to
+            `max_backoff_seconds`. Defaults to `0.0` (restart at once).
+        max_backoff_seconds: The longest wait between restarts. Defaults to
+            `60.0`.
 
     Returns:
         A `LaunchResult`.
 
     Raises:
         ValueError: For `workers` < 1, `max_restarts` < 0, `min_workers`
-            outside [1, workers], or an empty `command`.
+            outside [1, workers], an empty `command`, a negative
+            `backoff_seconds` or `max_backoff_seconds`, or `hosts` without
+            `addresses` and `command` methods.
 
     Example:
 
@@ -119,8 +138,29 @@ def launch(
             f"{command!r}. Expected the worker command, e.g. "
             '[sys.executable, "train.py"].'
         )
+    for name, value in (
+        ("backoff_seconds", backoff_seconds),
+        ("max_backoff_seconds", max_backoff_seconds),
+    ):
+        if isinstance(value, bool) or not (
+            isinstance(value, (int, float)) and value >= 0
+        ):
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Received: "
+                f"{name}={value!r}. Expected seconds >= 0."
+            )
+    if hosts is not None and not (
+        callable(getattr(hosts, "addresses", None))
+        and callable(getattr(hosts, "command", None))
+    ):
+        raise ValueError(
+            "Invalid value for argument `hosts`. Received: "
+            f"hosts={hosts!r}. Expected None or an object with "
+            "`addresses(count, restart)` and `command(index, command)` "
+            "methods (e.g. kh.testing.NetworkHosts)."
+        )
     output = output or sys.stdout
-    group = _Group(output, grace_seconds)
+    group = _Group(output, grace_seconds, hosts)
     previous = (
         {
             number: signal.signal(number, group.interrupt)
@@ -131,11 +171,14 @@ def launch(
     )
     attempts = []
     count = workers
+    delay = float(backoff_seconds)
     try:
         for restart in range(max_restarts + 1):
+            started = time.monotonic()
             codes, failed = group.run_attempt(
                 command, count, restart, env or {}
             )
+            lasted = time.monotonic() - started
             attempts.append(Attempt(count, tuple(codes), tuple(failed)))
             if group.interrupted is not None:
                 code = 128 + group.interrupted
@@ -153,6 +196,24 @@ def launch(
                 return LaunchResult(status, tuple(attempts))
             if min_workers is not None:
                 count = max(min_workers, count - len(failed))
+            if delay > 0:
+                _say(
+                    output,
+                    f"[launcher] attempt {restart} lasted {lasted:.1f}s; "
+                    f"waiting {delay:.1f}s before restarting",
+                )
+                group.wait(delay)
+                if group.interrupted is not None:
+                    code = 128 + group.interrupted
+                    return LaunchResult(code, tuple(attempts))
+                # An attempt that failed soon after starting doubles the
+                # wait (a flapping link); one that ran long resets it.
+                quick = lasted < max(delay * 4, 1.0)
+                delay = (
+                    min(delay * 2, max_backoff_seconds)
+                    if quick
+                    else float(backoff_seconds)
+                )
             _say(output, f"[launcher] restarting with {count} worker(s)")
     finally:
         for number, handler in previous.items():
@@ -161,8 +222,9 @@ def launch(
 
 
 class _Group:
-    def __init__(self, output, grace_seconds):
+    def __init__(self, output, grace_seconds, hosts=None):
         self.output = output
+        self.hosts = hosts
         self.grace_seconds = grace_seconds
         self.interrupted = None
         self.processes = []
@@ -179,9 +241,20 @@ class _Group:
         )
         self._terminate_all()
 
+    def wait(self, seconds):
+        deadline = time.monotonic() + seconds
+        while self.interrupted is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def run_attempt(self, command, count, restart, extra_env):
-        ports = free_ports(count)
-        cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+        if self.hosts is None:
+            ports = free_ports(count)
+            addresses = [f"127.0.0.1:{port}" for port in ports]
+            where = f"on ports {ports}"
+        else:
+            addresses = list(self.hosts.addresses(count, restart))
+            where = f"at {addresses}"
+        cluster = {"worker": addresses}
         self.processes, readers = [], []
         for index in range(count):
             env = dict(os.environ)
@@ -192,8 +265,11 @@ class _Group:
             env[RESTART_ENV] = str(restart)
             env[NUM_WORKERS_ENV] = str(count)
             env.setdefault("PYTHONUNBUFFERED", "1")
+            argv = list(command)
+            if self.hosts is not None:
+                argv = list(self.hosts.command(index, argv))
             process = subprocess.Popen(
-                list(command),
+                argv,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -208,7 +284,7 @@ class _Group:
             readers.append(reader)
         _say(
             self.output,
-            f"[launcher] attempt {restart}: {count} worker(s) on ports {ports}",
+            f"[launcher] attempt {restart}: {count} worker(s) {where}",
         )
         failed = []
         while True:

@@ -1,9 +1,12 @@
 """Helpers for tests and benchmarks: logical devices, worker processes, and
-simulated slow devices. Everything here is simulation; say so wherever a
-figure comes from it."""
+simulated slow devices, and worker hosts in network namespaces whose links
+a test can cut, flap and slow (`NetworkHosts`, root only). Everything here
+is simulation; say so wherever a figure comes from it."""
 
 from keras_hetero.testing.devices import logical_cpus
 from keras_hetero.testing.devices import mirrored
+from keras_hetero.testing.network import NetworkHosts
+from keras_hetero.testing.network import network_available
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
 from keras_hetero.testing.step_timer import StepTimer
 from keras_hetero.testing.workers import WorkerError
@@ -12,6 +15,7 @@ from keras_hetero.testing.workers import free_ports
 from keras_hetero.testing.workers import run_workers
 
 __all__ = [
+    "NetworkHosts",
     "SimulatedSpeed",
     "StepTimer",
     "WorkerError",
@@ -19,5 +23,6 @@ __all__ = [
     "free_ports",
     "logical_cpus",
     "mirrored",
+    "network_available",
     "run_workers",
 ]

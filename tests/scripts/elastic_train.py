@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,6 +53,19 @@ def main():
     parser.add_argument("--sync-save", action="store_true")
     parser.add_argument("--resize", default="keep_global_batch")
     parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=0,
+        help="kh.Timeouts(watchdog=...) and a StragglerDetector that exits "
+        "75 on a hang (network fault tests)",
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0,
+        help="sleep after each step (so a test can act mid-run)",
+    )
+    parser.add_argument(
         "--rebalance",
         action="store_true",
         help="worker 0 simulated 8x slower; a ShardRebalancer moves shares",
@@ -63,7 +77,13 @@ def main():
         kh.testing.logical_cpus(2)
     import tensorflow as tf
 
-    if multi_worker:
+    timeouts = None
+    if args.hang_timeout:
+        timeouts = kh.Timeouts(watchdog=args.hang_timeout)
+    if multi_worker and timeouts is not None:
+        strategy = timeouts.strategy()
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    elif multi_worker:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     else:
@@ -96,11 +116,18 @@ def main():
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
             loss = float((logs or {}).get("loss", float("nan")))
-            record = {"step": step, "ids": list(seen), "loss": loss}
+            record = {
+                "step": step,
+                "ids": list(seen),
+                "loss": loss,
+                "time": time.time(),
+            }
             records.write(json.dumps(record) + "\n")
             records.flush()
             os.fsync(records.fileno())
             seen.clear()
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
             if (
                 restart < len(faults)
                 and task == args.fault_worker
@@ -124,6 +151,12 @@ def main():
         resize=args.resize,
     )
     callbacks = [ckpt, Record()]
+    if timeouts is not None:
+        callbacks.append(
+            kh.callbacks.StragglerDetector(
+                hang_timeout=timeouts.watchdog, abort_on_hang=True
+            )
+        )
     if args.stop_after:
         callbacks.append(StopAfter())
     fit = dict(epochs=args.epochs, verbose=0, callbacks=callbacks)

@@ -1,0 +1,295 @@
+"""Real network faults between worker hosts (slow; root and namespaces).
+
+Each worker runs in its own network namespace (`kh.testing.NetworkHosts`)
+under `kh.launcher.launch(..., hosts=net)`; the test cuts, flaps or slows one
+host's link mid-run. The worker script is `tests/scripts/elastic_train.py`
+(80 examples, global batch 8: 10 steps per epoch, 2 epochs, a checkpoint
+every step) with `--hang-timeout` (a StragglerDetector that exits 75 on a
+hang, `kh.Timeouts`) and a short sleep per step so the faults land mid-run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import test_elastic_processes as elastic
+
+import keras_hetero as kh
+from keras_hetero import launcher
+
+AVAILABLE, REASON = kh.testing.network_available()
+# Serial: the detection times are measured, and under a second pytest
+# worker's load a survivor's report can miss the launcher's grace period.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.serial,
+    pytest.mark.skipif(not AVAILABLE, reason=REASON),
+]
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+TIMEOUT = 6.0  # the watchdog's, in seconds
+
+
+class _Log:
+    """A text stream that remembers when each line arrived."""
+
+    def __init__(self):
+        self.lines = []
+        self._lock = threading.Lock()
+
+    def write(self, text):
+        with self._lock:
+            for line in text.splitlines():
+                self.lines.append((time.monotonic(), line))
+
+    def flush(self):
+        pass
+
+    def first(self, needle):
+        with self._lock:
+            for stamp, line in self.lines:
+                if needle in line:
+                    return stamp, line
+        return None, None
+
+    def text(self):
+        with self._lock:
+            return "\n".join(line for _, line in self.lines)
+
+
+def _last_step(out, attempt, worker):
+    path = os.path.join(out, f"attempt{attempt}-worker{worker}.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return lines[-1]["step"] if lines else 0
+
+
+def _wait_for_step(out, step, seconds=120):
+    deadline = time.monotonic() + seconds
+    while _last_step(out, 0, 0) < step:
+        assert time.monotonic() < deadline, f"step {step} never came"
+        time.sleep(0.05)
+
+
+def _start(net, tmp_path, **kwargs):
+    """Starts the launcher job in a thread; returns (thread, box, log)."""
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    log, box = _Log(), {}
+    command = [
+        sys.executable,
+        os.path.join(SCRIPTS, "elastic_train.py"),
+        "--out",
+        out,
+        "--ckpt",
+        ckpt,
+        "--save-every",
+        "1",
+        "--sync-save",
+        "--hang-timeout",
+        str(TIMEOUT),
+        "--step-seconds",
+        "0.3",
+    ]
+
+    def run():
+        box["result"] = launcher.launch(
+            command,
+            net.hosts,
+            hosts=net,
+            max_restarts=3,
+            # Lets the survivor finish its report (about 2 s after the
+            # timeout) when the cut-off worker exits first.
+            grace_seconds=4,
+            backoff_seconds=1,
+            output=log,
+            **kwargs,
+        )
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box, log, out
+
+
+def _finish(thread, box, log, out, attempts):
+    """Checks the finished job (`attempts`: the allowed attempt counts):
+    every example once per epoch, final weights equal the one-device run."""
+    thread.join(240)
+    assert not thread.is_alive(), log.text()[-4000:]
+    result = box["result"]
+    assert result.exit_code == 0, log.text()[-4000:]
+    attempts = (attempts,) if isinstance(attempts, int) else attempts
+    assert len(result.attempts) in attempts, log.text()[-4000:]
+    attempts = len(result.attempts)
+    committed, restored = elastic._committed_attempts(out)
+    elastic._assert_exactly_once(committed)
+    initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = elastic._load(
+        os.path.join(out, f"attempt{attempts - 1}-worker0-final.npz")
+    )
+    kh_reference = elastic._reference(initial)
+    elastic.helpers.assert_weights_close(final, kh_reference)
+    return result, restored
+
+
+def test_harness_cuts_restores_slows_and_cleans_up():
+    with kh.testing.NetworkHosts(2, relayed=(1,)) as net:
+        port = int(net.addresses(2, 0)[1].split(":")[1])
+        server = net.popen(
+            1,
+            [
+                sys.executable,
+                os.path.join(SCRIPTS, "echo_server.py"),
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert server.stdout.readline() == b"listening\n"
+
+            def trips(host, size=1000, times=3, timeout=10.0):
+                done = subprocess.run(
+                    net.command(
+                        0,
+                        [
+                            sys.executable,
+                            os.path.join(SCRIPTS, "echo_client.py"),
+                            host,
+                            str(port),
+                            str(size),
+                            str(times),
+                            str(timeout),
+                        ],
+                    ),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                return json.loads(done.stdout)
+
+            direct = trips(net.address(1))
+            assert len(direct["trips"]) == 3 and max(direct["trips"]) < 0.1
+            net.slow(1, latency=0.1)
+            slow = trips(net.bridge_address)
+            # Two relay hops of 0.1 s each way per round trip.
+            assert min(slow["trips"]) >= 0.2, slow
+            net.slow(1, latency=0.0, bandwidth=200_000)
+            paced = trips(net.bridge_address, size=100_000, times=1)
+            # 100 kB at 200 kB/s each way (the two directions overlap).
+            assert paced["trips"][0] >= 0.45, paced
+            net.cut(1)
+            cut = trips(net.address(1), timeout=1.0)
+            assert "error" in cut, cut
+            net.restore(1)
+            assert len(trips(net.address(1))["trips"]) == 3
+            made = net.leftovers()
+            assert len(made) == 5  # 2 namespaces, bridge, 2 veths
+        finally:
+            server.kill()
+            server.wait()
+    assert net.leftovers() == []
+    with pytest.raises(ValueError, match="relayed"):
+        kh.testing.NetworkHosts(2, relayed=(2,))
+
+
+def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(tmp_path):
+    with kh.testing.NetworkHosts(2) as net:
+        thread, box, log, out = _start(net, tmp_path)
+        _wait_for_step(out, 6)
+        cut_at, cut_wall = time.monotonic(), time.time()
+        net.cut(1)
+        named = None
+        while named is None and time.monotonic() - cut_at < TIMEOUT + 30:
+            # The survivor's view (the cut-off worker names worker 0).
+            named, line = log.first("[worker 0] StragglerDetector: step")
+            time.sleep(0.1)
+        detected = named - cut_at if named else None
+        time.sleep(max(0.0, TIMEOUT + 4 - (time.monotonic() - cut_at)))
+        net.restore(1)
+        restored_at = time.monotonic()
+        result, restored = _finish(thread, box, log, out, attempts=2)
+    assert line is not None, (
+        f"worker 0 named no missing worker within {TIMEOUT + 30:.0f} s of "
+        "the cut"
+    )
+    assert line.startswith("[worker 0]"), line
+    assert "worker(s) [1] have not reached it" in line, line
+    resumed, _ = log.first("[launcher] attempt 1:")
+    with open(os.path.join(out, "attempt1-worker0.jsonl")) as f:
+        first = json.loads(f.readline())
+    print(
+        f"cut worker 1 at step >= 6: worker 0 named it after "
+        f"{detected:.1f}s (timeout {TIMEOUT}s): {line}; link back after "
+        f"{restored_at - cut_at:.1f}s; attempt 1 started "
+        f"{resumed - cut_at:.1f}s after the cut, resumed after step "
+        f"{restored[1]} and finished step {first['step']} "
+        f"{first['time'] - cut_wall:.1f}s after the cut"
+    )
+    assert detected < TIMEOUT + 5, detected
+    assert result.attempts[0].exit_codes[0] == 75
+
+
+def test_cut_shorter_than_the_timeout_continues_without_restart(tmp_path):
+    with kh.testing.NetworkHosts(2) as net:
+        thread, box, log, out = _start(net, tmp_path)
+        _wait_for_step(out, 6)
+        cut_at = time.monotonic()
+        net.cut(1)
+        time.sleep(TIMEOUT / 2)
+        net.restore(1)
+        step = _last_step(out, 0, 0)
+        _wait_for_step(out, step + 1)
+        resumed = time.monotonic() - cut_at  # the first step after the cut
+        _finish(thread, box, log, out, attempts=1)
+    assert "have not reached" not in log.text()
+    print(
+        f"cut worker 1 for {TIMEOUT / 2:.1f}s at step >= 6: step "
+        f"{step + 1} done {resumed:.1f}s after the cut; no restart"
+    )
+
+
+def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
+    with kh.testing.NetworkHosts(2) as net:
+        thread, box, log, out = _start(net, tmp_path)
+        _wait_for_step(out, 4)
+        started = time.monotonic()
+        # Down 2 s, up 1 s, four times: each outage is shorter than the
+        # watchdog timeout, but they add up to more than it, and TCP's
+        # retransmission back-off grows with each: a step may outlast the
+        # timeout (measured: 1 restart in some runs, none in others).
+        net.flap(1, down=2.0, up=1.0, times=4).join()
+        flapped = time.monotonic() - started
+        result, restored = _finish(thread, box, log, out, attempts=(1, 2))
+    print(
+        f"link of worker 1 flapped 4 x (2 s down, 1 s up) over "
+        f"{flapped:.1f}s: {len(result.attempts)} attempt(s), resumed after "
+        f"steps {restored[1:]}"
+    )
+
+
+def test_launcher_backs_off_between_quick_failures(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    log = _Log()
+    started = time.monotonic()
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        1,
+        max_restarts=3,
+        backoff_seconds=0.5,
+        max_backoff_seconds=1.0,
+        output=log,
+    )
+    waits = [
+        float(line.split("waiting ")[1].split("s")[0])
+        for _, line in log.lines
+        if "waiting" in line
+    ]
+    assert result.exit_code == 3 and len(result.attempts) == 4
+    assert waits == [0.5, 1.0, 1.0]  # doubled, then capped
+    assert time.monotonic() - started >= 2.5
