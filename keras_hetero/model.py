@@ -27,23 +27,21 @@ from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import precision as precision_lib
-from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.callbacks import base as callbacks_base
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.training import accumulation
 from keras_hetero.training import aggregation
+from keras_hetero.training import batch_statistics
 from keras_hetero.training import keras_callbacks
 from keras_hetero.training import loss_scale as loss_scale_lib
+from keras_hetero.training import options
 from keras_hetero.training import parameter_server
 from keras_hetero.training import telemetry
 
 # Prefix of the partial gradient sums in a `.keras` file's model entry.
 _ACCUMULATION_KEY = "keras_hetero_accumulation_"
-# `tf.distribute.experimental.CommunicationOptions` is a factory; this is
-# the class of what it returns.
-_COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
 
 
 class HeteroModel(_compat.TrainerOverrides, keras.Model):
@@ -128,7 +126,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         global_clipnorm=None,
         **kwargs,
     ):
-        _check_options(
+        options.check_options(
             precision,
             gradient_compression,
             accumulation_steps,
@@ -143,7 +141,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             _compat.init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
-        self._hetero = _HeteroState(
+        self._hetero = options.Settings(
             precision=precision,
             gradient_compression=gradient_compression,
             accumulation_steps=accumulation_steps,
@@ -573,10 +571,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 kwargs["callbacks"]
             )
         if _distribute.is_parameter_server(self.distribute_strategy):
-            x, kwargs = _per_worker_input(
+            x, kwargs = parameter_server.per_worker_input(
                 x, kwargs, "steps_per_epoch", "validation_steps"
             )
-            options = _parameter_server_arguments("fit", x, y, args, kwargs)
+            options = parameter_server.fit_arguments("fit", x, y, args, kwargs)
             runner = self._parameter_server()
             undo = callbacks_base.prepare_fit(
                 self,
@@ -607,8 +605,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                         "unknown length. Pass `steps_per_epoch=` to `fit` "
                         "(global batches per epoch) under tf-keras."
                     )
-        _check_batch_normalization(self, dataset, kwargs.get("callbacks"))
-        _check_microbatch_statistics(self)
+        batch_statistics.check_batch_normalization(
+            self, dataset, kwargs.get("callbacks")
+        )
+        batch_statistics.check_microbatch_statistics(self)
         _compat.fix_synchronized_batch_norm(self)
         x = self._as_input(
             x,
@@ -633,8 +633,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
         if _distribute.is_parameter_server(self.distribute_strategy):
-            x, kwargs = _per_worker_input(x, kwargs, "steps")
-            options = _parameter_server_arguments(
+            x, kwargs = parameter_server.per_worker_input(x, kwargs, "steps")
+            options = parameter_server.fit_arguments(
                 "evaluate", x, y, args, kwargs
             )
             return_dict = options.pop("return_dict")
@@ -751,9 +751,9 @@ class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config, settings = _split_settings(config)
+        config, settings = options.split_settings(config)
         model = super().from_config(config, custom_objects=custom_objects)
-        _set_settings(model, settings)
+        options.set_settings(model, settings)
         return model
 
 
@@ -834,231 +834,6 @@ def _derive_from_functional(cls):
         return cls
     cls.__bases__ = tuple(_derive_from_functional(b) for b in cls.__bases__)
     return cls
-
-
-def _split_settings(config):
-    """`(config without HeteroModel's settings, those settings)`."""
-    config = dict(config)
-    settings = {
-        name: config.pop(name)
-        for name in _HeteroState.SERIALISED
-        if name in config
-    }
-    return config, settings
-
-
-def _set_settings(model, settings):
-    """Gives a model made by Keras' `from_config` the saved settings."""
-    settings = {**_HeteroState.DEFAULTS, **settings}
-    _check_options(**settings)
-    model._hetero = _HeteroState(**settings)
-
-
-class _HeteroState:
-    """HeteroModel settings and run-time objects, kept out of Keras tracking."""
-
-    DEFAULTS = {
-        "precision": None,
-        "gradient_compression": None,
-        "accumulation_steps": 1,
-        "pipeline_microbatches": 1,
-        "communication": None,
-        "global_clipnorm": None,
-    }
-    # CommunicationOptions is not serialisable; it is a run-time choice.
-    SERIALISED = tuple(name for name in DEFAULTS if name != "communication")
-
-    def __init__(self, **settings):
-        self.settings = settings
-        for name, value in settings.items():
-            setattr(self, name, value)
-        self.telemetry = None
-        self.loss_scale = None
-        self.accumulator = None
-        self.parameter_server = None
-
-    def config(self):
-        return {name: self.settings[name] for name in self.SERIALISED}
-
-
-def _check_options(
-    precision,
-    gradient_compression,
-    accumulation_steps,
-    pipeline_microbatches,
-    communication,
-    global_clipnorm,
-):
-    precision_lib.check_precision(precision)
-    if gradient_compression not in (None, *aggregation.WIRE_DTYPES):
-        raise ValueError(
-            "Invalid value for argument `gradient_compression`. Received: "
-            f"gradient_compression={gradient_compression!r}. Expected None, "
-            '"fp16" or "bf16".'
-        )
-    for name, value in (
-        ("accumulation_steps", accumulation_steps),
-        ("pipeline_microbatches", pipeline_microbatches),
-    ):
-        check_int(name, value)
-    if communication is not None and not isinstance(
-        communication, _COMMUNICATION_OPTIONS
-    ):
-        raise TypeError(
-            "Invalid value for argument `communication`. Received: "
-            f"communication={communication!r}. Expected a "
-            "`tf.distribute.experimental.CommunicationOptions` or None."
-        )
-    if global_clipnorm is not None and not (
-        isinstance(global_clipnorm, (int, float))
-        and not isinstance(global_clipnorm, bool)
-        and global_clipnorm > 0
-    ):
-        raise ValueError(
-            "Invalid value for argument `global_clipnorm`. Received: "
-            f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
-            "or None."
-        )
-
-
-def _parameter_server_arguments(method, x, y, args, kwargs):
-    """`fit` / `evaluate` arguments for the parameter-server runner.
-
-    Raises:
-        ValueError: For arguments that have no meaning there.
-    """
-    import inspect
-
-    bound = inspect.signature(getattr(keras.Model, method)).bind(
-        None, x, y, *args, **kwargs
-    )
-    given = dict(bound.arguments)
-    given.pop("self")
-    given.update(given.pop("kwargs", {}))
-    supported = {
-        "fit": (
-            "x",
-            "epochs",
-            "steps_per_epoch",
-            "callbacks",
-            "verbose",
-            "initial_epoch",
-            "validation_data",
-            "validation_steps",
-            "validation_freq",
-        ),
-        "evaluate": ("x", "steps", "callbacks", "verbose", "return_dict"),
-    }[method]
-    # Defaults that mean "not used" are fine.
-    ignorable = {
-        "y": None,
-        "batch_size": None,
-        "shuffle": True,
-        "sample_weight": None,
-        "class_weight": None,
-        "validation_split": 0.0,
-        "validation_batch_size": None,
-        "max_queue_size": 10,
-        "workers": 1,
-        "use_multiprocessing": False,
-    }
-    unsupported = [
-        name
-        for name, value in given.items()
-        if name not in supported
-        and not (name in ignorable and value == ignorable[name])
-    ]
-    if unsupported:
-        raise ValueError(
-            f"`{method}` under ParameterServerStrategy takes the data as a "
-            "`dataset_fn(input_context)` or a batched `tf.data.Dataset` "
-            f"(labels and weights inside it); {sorted(unsupported)} cannot "
-            f"be used there. Supported arguments: {list(supported)}."
-        )
-    options = {name: given[name] for name in supported if name in given}
-    if method == "evaluate":
-        options.setdefault("return_dict", False)
-    return options
-
-
-def _per_worker_input(x, kwargs, steps, validation_steps=None):
-    """`x` (and `validation_data`) as ParameterServerStrategy takes them: a
-    HeteroDataset becomes its `parameter_server_dataset()`, and its global
-    batches per epoch the default step count."""
-    kwargs = dict(kwargs)
-    if isinstance(x, HeteroDataset):
-        if kwargs.get(steps) is None and x.num_batches is not None:
-            kwargs[steps] = x.num_batches
-        x = x.parameter_server_dataset()
-    validation = kwargs.get("validation_data")
-    if validation_steps and isinstance(validation, HeteroDataset):
-        if kwargs.get(validation_steps) is None:
-            kwargs[validation_steps] = validation.num_batches
-        kwargs["validation_data"] = validation.parameter_server_dataset()
-    return x, kwargs
-
-
-def _check_batch_normalization(model, dataset, callbacks):
-    """Per-replica batch statistics and uneven shares: warn, or raise when a
-    replica is given no rows (its empty batch makes the statistics NaN)."""
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    if replicas == 1 or not isinstance(dataset, HeteroDataset):
-        return
-    local = [
-        layer.name
-        for layer in _compat.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization)
-        and not getattr(layer, "synchronized", False)
-    ]
-    if not local:
-        return
-    shares = dataset.shares
-    fix = (
-        "Use `BatchNormalization(synchronized=True)`: it all-reduces the "
-        "batch statistics, which makes training match one device on the "
-        "global batch for any split of rows (docs/precision.md)."
-    )
-    if (shares == 0).any():
-        raise ValueError(
-            f"BatchNormalization layer(s) {local} compute statistics over "
-            f"each replica's own rows, and the shares {shares.tolist()} give "
-            f"replica(s) {np.flatnonzero(shares == 0).tolist()} no rows: "
-            f"their statistics would be NaN and poison the weights. {fix}"
-        )
-    moving = any(
-        isinstance(c, callbacks_base.HeteroCallback) and c.changes_shares
-        for c in callbacks or ()
-    )
-    if moving or not np.allclose(shares, shares[0]):
-        warnings.warn(
-            f"BatchNormalization layer(s) {local} normalise each replica's "
-            "rows separately, so with uneven shares a replica with few rows "
-            "weighs as much as one with many in the moving statistics, and a "
-            f"replica left with no rows makes them NaN. {fix}",
-            stacklevel=3,
-        )
-
-
-def _check_microbatch_statistics(model):
-    """Batch statistics see micro-batches under `pipeline_microbatches`."""
-    count = model._hetero.pipeline_microbatches
-    if count == 1:
-        return
-    names = [
-        layer.name
-        for layer in _compat.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
-    if names:
-        warnings.warn(
-            f"BatchNormalization layer(s) {names} normalise each of the "
-            f"{count} micro-batches (`pipeline_microbatches={count}`) "
-            "separately, so training is not the same as with whole batches "
-            "(as in GPipe). Use LayerNormalization, or "
-            "`pipeline_microbatches=1`, for updates that equal the whole "
-            "batch.",
-            stacklevel=3,
-        )
 
 
 def _dependencies(grads):

@@ -5,6 +5,7 @@ import inspect
 from keras_hetero import _compat
 from keras_hetero import model as model_lib
 from keras_hetero._compat import keras
+from keras_hetero.training import options
 
 # The positional arguments of the flavour's `Sequential` (Keras 3:
 # `layers, trainable, name`; tf-keras: `layers, name`).
@@ -54,7 +55,7 @@ class HeteroSequential(model_lib.HeteroModel, keras.Sequential):
     def __init__(self, layers=None, *args, **kwargs):
         settings = {
             name: kwargs.pop(name)
-            for name in model_lib._HeteroState.DEFAULTS
+            for name in options.Settings.DEFAULTS
             if name in kwargs
         }
         # By name: HeteroModel would take two positional arguments for the
@@ -71,9 +72,9 @@ class HeteroSequential(model_lib.HeteroModel, keras.Sequential):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config, settings = model_lib._split_settings(config)
+        config, settings = options.split_settings(config)
         model = super().from_config(config, custom_objects=custom_objects)
-        model_lib._set_settings(model, settings)
+        options.set_settings(model, settings)
         return model
 
 

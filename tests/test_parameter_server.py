@@ -177,18 +177,18 @@ def test_killed_worker_restarts_and_fit_completes():
 
 
 def test_arguments_without_meaning_under_parameter_server_are_refused():
-    from keras_hetero import model as model_lib
+    from keras_hetero.training import parameter_server
 
     with pytest.raises(ValueError, match=r"\['batch_size'\]"):
-        model_lib._parameter_server_arguments(
+        parameter_server.fit_arguments(
             "fit", lambda c: None, None, (), {"batch_size": 32}
         )
     data = kh.data.shard(helpers.examples(), 16)
     with pytest.raises(ValueError, match=r"\['class_weight'\]"):
-        model_lib._parameter_server_arguments(
+        parameter_server.fit_arguments(
             "fit", data, None, (), {"class_weight": {0: 1.0}}
         )
-    options = model_lib._parameter_server_arguments(
+    options = parameter_server.fit_arguments(
         "evaluate", "fn", None, (), {"steps": 3, "verbose": 0}
     )
     assert options == {

@@ -27,6 +27,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.training import telemetry
 
 _WORKER_GONE = (
@@ -375,3 +376,80 @@ class ParameterServerInput:
 
     def resume_after(self, examples):
         del examples  # no position to skip to
+
+
+def fit_arguments(method, x, y, args, kwargs):
+    """`fit` / `evaluate` arguments for the parameter-server runner.
+
+    Raises:
+        ValueError: For arguments that have no meaning there.
+    """
+    import inspect
+
+    bound = inspect.signature(getattr(keras.Model, method)).bind(
+        None, x, y, *args, **kwargs
+    )
+    given = dict(bound.arguments)
+    given.pop("self")
+    given.update(given.pop("kwargs", {}))
+    supported = {
+        "fit": (
+            "x",
+            "epochs",
+            "steps_per_epoch",
+            "callbacks",
+            "verbose",
+            "initial_epoch",
+            "validation_data",
+            "validation_steps",
+            "validation_freq",
+        ),
+        "evaluate": ("x", "steps", "callbacks", "verbose", "return_dict"),
+    }[method]
+    # Defaults that mean "not used" are fine.
+    ignorable = {
+        "y": None,
+        "batch_size": None,
+        "shuffle": True,
+        "sample_weight": None,
+        "class_weight": None,
+        "validation_split": 0.0,
+        "validation_batch_size": None,
+        "max_queue_size": 10,
+        "workers": 1,
+        "use_multiprocessing": False,
+    }
+    unsupported = [
+        name
+        for name, value in given.items()
+        if name not in supported
+        and not (name in ignorable and value == ignorable[name])
+    ]
+    if unsupported:
+        raise ValueError(
+            f"`{method}` under ParameterServerStrategy takes the data as a "
+            "`dataset_fn(input_context)` or a batched `tf.data.Dataset` "
+            f"(labels and weights inside it); {sorted(unsupported)} cannot "
+            f"be used there. Supported arguments: {list(supported)}."
+        )
+    options = {name: given[name] for name in supported if name in given}
+    if method == "evaluate":
+        options.setdefault("return_dict", False)
+    return options
+
+
+def per_worker_input(x, kwargs, steps, validation_steps=None):
+    """`x` (and `validation_data`) as ParameterServerStrategy takes them: a
+    HeteroDataset becomes its `parameter_server_dataset()`, and its global
+    batches per epoch the default step count."""
+    kwargs = dict(kwargs)
+    if isinstance(x, HeteroDataset):
+        if kwargs.get(steps) is None and x.num_batches is not None:
+            kwargs[steps] = x.num_batches
+        x = x.parameter_server_dataset()
+    validation = kwargs.get("validation_data")
+    if validation_steps and isinstance(validation, HeteroDataset):
+        if kwargs.get(validation_steps) is None:
+            kwargs[validation_steps] = validation.num_batches
+        kwargs["validation_data"] = validation.parameter_server_dataset()
+    return x, kwargs
