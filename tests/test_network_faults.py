@@ -104,8 +104,9 @@ def _start(net, tmp_path, **kwargs):
             hosts=net,
             max_restarts=3,
             # Lets the survivor finish its report (about 2 s after the
-            # timeout) when the cut-off worker exits first.
-            grace_seconds=4,
+            # timeout, more on a loaded machine) when the cut-off worker
+            # exits first; the survivor exits on its own once it reported.
+            grace_seconds=15,
             backoff_seconds=1,
             output=log,
             **kwargs,
