@@ -1020,6 +1020,47 @@ def dataset_graph(dataset):
     return graph
 
 
+# --- TensorFlow graph internals ----------------------------------------------
+
+_TIMESTAMPS = {}  # dtype of the dependency -> the traced `_timestamp_after`
+
+
+def _timestamp_after(dependency):
+    with tf.control_dependencies([dependency]):
+        return tf.timestamp()
+
+
+def unordered_timestamp(dependency):
+    """`tf.timestamp()` once `dependency` (a tensor) is computed, in-graph.
+
+    Automatic control dependencies (tensorflow/python/framework/
+    auto_control_deps.py, `last_write_to_resource[None]`) chain every
+    stateful op without resource inputs in program order, so plain
+    `tf.timestamp` calls in the replicas' steps would run replica after
+    replica (a step's replicas are traced one after another). A stateless
+    `PartitionedCall` of a function holding the Timestamp is not chained: a
+    native kernel, with no host callback (`numpy_function` costs a Python
+    call and the GIL per reading). Grappler inlines the call; the
+    Timestamp inside still waits for `dependency` and for the call's
+    control inputs.
+    """
+    function = _TIMESTAMPS.get(dependency.dtype)
+    if function is None:
+        function = tf.function(_timestamp_after, autograph=False)
+        function = function.get_concrete_function(
+            tf.TensorSpec(None, dependency.dtype)
+        )
+        _TIMESTAMPS[dependency.dtype] = function
+    function.add_to_graph(tf.compat.v1.get_default_graph())
+    (value,) = tf.raw_ops.PartitionedCall(
+        args=[dependency],
+        Tout=[tf.float64],
+        f=function.function_def.signature.name,
+    )
+    value.set_shape([])
+    return value
+
+
 # --- tf.distribute internals -------------------------------------------------
 # TensorFlow has no public way to ask these; each is unchanged in TF
 # 2.19-2.21 (tests/test_compat_versions.py runs them on the oldest tested).

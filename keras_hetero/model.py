@@ -219,8 +219,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         hetero = self._hetero
         rows = _batch_rows(x)
-        # XLA cannot call the host, nor can a parameter-server worker (its
-        # closures are timed on the worker by the runner instead).
+        # XLA has no clock (no Timestamp kernel), nor has a parameter-server
+        # worker (its closures are timed on the worker by the runner).
         timed = not _compat.jit_compiled(self) and not (
             _distribute.is_parameter_server(tf.distribute.get_strategy())
         )
