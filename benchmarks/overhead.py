@@ -9,7 +9,9 @@ the first) shows the noise. Target: ratio <= 1.03 (W=256), <= 1.05 (W=64).
 
 `--profile` adds HeteroModel variants with one piece of its step switched
 off (benchmark-only patches applied while the step is traced), side by side
-in the same run: what each piece costs per step.
+in the same run: what each piece costs per step. Step times are medians
+over all rounds; the ratio is the median of the rounds' ratios (each round's
+runs are close in time, so a change of load moves both).
 
 Run: `python benchmarks/overhead.py` (Mirrored, 2 replicas),
 `--replicas 4`, `--workers 2`, `--spe 1 8`, `--profile`.
@@ -135,33 +137,48 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
         with patch() if patch else contextlib.nullcontext():
             model.fit(data, epochs=1, verbose=0, shuffle=False)
     seconds = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, (model, data, _) in runs.items():
+    ratios = {name: [] for name in runs}
+    for number in range(rounds):
+        medians = {}
+        order = list(runs) if number % 2 == 0 else list(runs)[::-1]
+        for name in order:  # every other round reversed: no position bias
+            model, data, _ = runs[name]
             timer = kh.testing.StepTimer()
             model.fit(
                 data, epochs=1, verbose=0, shuffle=False, callbacks=[timer]
             )
             # One batch-end callback per execution of k steps.
-            seconds[name].extend(np.asarray(timer.seconds) / k)
-    return {name: float(np.median(s)) for name, s in seconds.items()}
+            steps = np.asarray(timer.seconds) / k
+            seconds[name].extend(steps)
+            medians[name] = np.median(steps)
+        for name in runs:
+            ratios[name].append(medians[name] / medians["stock"])
+    # The ratio is the median over rounds of each round's ratio: the runs of
+    # one round are close in time, so a change of the machine's load (other
+    # jobs) moves both.
+    return {
+        name: (float(np.median(seconds[name])), float(np.median(ratios[name])))
+        for name in runs
+    }
 
 
 def table(strategy, widths, rounds, spes, profile):
     """Markdown rows: one per (W, k, run), ratio to the stock run."""
     lines = [
-        "| W | k | run | step (ms) | extra (ms) | ratio to stock |",
+        "| W | k | run | step (ms) | extra (ms) | "
+        "ratio to stock (median of rounds) |",
         "|---:|---:|---|---:|---:|---:|",
     ]
     for width in widths:
         for k in spes:
             medians = measure(strategy, width, rounds, k, profile)
-            stock = medians["stock"]
-            for name, value in medians.items():
+            stock = medians["stock"][0]
+            for name, (value, ratio) in medians.items():
                 if name == "stock":
                     continue
                 lines.append(
                     f"| {width} | {k} | {name} | {1000 * value:.2f} | "
-                    f"{1000 * (value - stock):.2f} | {value / stock:.3f} |"
+                    f"{1000 * (value - stock):.2f} | {ratio:.3f} |"
                 )
     return lines
 
@@ -176,7 +193,7 @@ def _mwms_worker(widths, rounds, spes, profile):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument(
         "--widths",
         type=int,

