@@ -353,8 +353,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         return self._global_logs()
 
     def _global_logs(self):
-        # Metric variables are ON_READ sums: read in cross-replica context
-        # they aggregate all replicas (a collective under multi-worker).
+        # Metric variables are ON_READ sums: every replica's, summed in one
+        # batched collective (see `_compat.global_metrics_result`).
         context = tf.distribute.get_replica_context()
         if (
             context is None
@@ -362,7 +362,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             or _distribute.is_parameter_server(context.strategy)
         ):
             return self.get_metrics_result()
-        return context.merge_call(lambda _: self.get_metrics_result())
+        return _compat.global_metrics_result(self)
 
     def _parameter_server(self):
         """The `ParameterServerRunner` of this model (created once)."""
