@@ -219,7 +219,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         hetero = self._hetero
         rows = _batch_rows(x)
-        # XLA has no clock (no Timestamp kernel), nor has a parameter-server
+        # No clock readings in an XLA-compiled step, nor on a parameter-server
         # worker (its closures are timed on the worker by the runner).
         timed = not _compat.jit_compiled(self) and not (
             _distribute.is_parameter_server(tf.distribute.get_strategy())

@@ -55,7 +55,7 @@ def clock(dependency, enabled=True):
     replicas' steps, and a host callback (`numpy_function`) costs a Python
     call per reading.
 
-    With `enabled=False` (an XLA-compiled step, which keeps no time) the
+    With `enabled=False` (an XLA-compiled step takes no readings) the
     time is NaN: "not measured" to everything that reads it.
     """
     if not enabled:
