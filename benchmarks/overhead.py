@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
-GLOBAL_BATCH = 256
+GLOBAL_BATCH = 256  # less 256 % replicas: stock Keras 3 needs equal splits
 STEPS = 40
 
 
@@ -102,6 +102,11 @@ PROFILE = {
 }
 
 
+def global_batch(replicas):
+    """256, or the multiple of `replicas` below it (equal shares)."""
+    return GLOBAL_BATCH - GLOBAL_BATCH % replicas
+
+
 def stock_runs(strategy, steps_per_execution):
     """Whether stock `keras.Model.fit` works here (docs/strategies.md).
 
@@ -121,11 +126,12 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 64)).astype("float32")
-    y = rng.integers(0, 10, size=(GLOBAL_BATCH * STEPS,)).astype("int32")
+    batch = global_batch(strategy.num_replicas_in_sync)
+    x = rng.normal(size=(batch * STEPS, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(batch * STEPS,)).astype("int32")
     examples = tf.data.Dataset.from_tensor_slices((x, y))
-    batched = examples.batch(GLOBAL_BATCH)
-    sharded = kh.data.shard(examples, GLOBAL_BATCH, strategy=strategy)
+    batched = examples.batch(batch)
+    sharded = kh.data.shard(examples, batch, strategy=strategy)
     k = steps_per_execution
     stock_class, bare = kh.keras.Model, None
     if not stock_runs(strategy, k):
@@ -241,7 +247,8 @@ def main():
     load = os.getloadavg()[0]
     print(
         f"overhead benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, {where}, equal shares, global batch {GLOBAL_BATCH}, "
+        f"{kh.FLAVOUR}, {where}, equal shares, global batch "
+        f"{global_batch(args.workers or args.replicas)}, "
         f"{args.rounds} alternating rounds of {STEPS} steps, MLP 64-W-W-10, "
         f"load average at start {load:.1f} on {os.cpu_count()} cores"
     )
