@@ -80,10 +80,17 @@ def _no_record():
     return _patched(telemetry.Telemetry, "record", lambda self, stats: None)
 
 
+@contextlib.contextmanager
 def _local_logs():
-    return _patched(
-        kh.HeteroModel, "_global_logs", lambda self: self.get_metrics_result()
-    )
+    with (
+        _patched(
+            kh.HeteroModel,
+            "_global_logs",
+            lambda self: self.get_metrics_result(),
+        ),
+        _patched(kh.HeteroModel, "_packs_metrics", lambda self: False),
+    ):
+        yield
 
 
 @contextlib.contextmanager

@@ -1020,53 +1020,65 @@ def dataset_graph(dataset):
     return graph
 
 
+# Keras 3 metrics compute their results from given values (`StatelessScope`),
+# so their replicas' sums can travel in a collective the step already makes.
+# tf-keras metrics read their variables directly.
+PACKS_METRICS = not IS_LEGACY
+
+
+def local_metric_values(model):
+    """This replica's values of the metric variables that combine replicas.
+
+    Keras 3 only (`PACKS_METRICS`). A SUM of them across replicas, given to
+    `metrics_result_from`, gives what a cross-replica read would.
+
+    Returns:
+        `(variables, values)`: lists of the same length.
+    """
+    context = tf.distribute.get_replica_context()
+    first = context.replica_id_in_sync_group == 0
+    variables, values = [], []
+    for variable in model.metrics_variables:
+        if variable.aggregation not in ("sum", "mean", "only_first_replica"):
+            continue
+        # On this replica's device: a read is colocated with its variable,
+        # which may name no device ("destinations can not be empty").
+        value = tf.identity(variable.value)
+        if variable.aggregation == "only_first_replica":
+            value = value * tf.cast(first, value.dtype)
+        variables.append(variable)
+        values.append(value)
+    return variables, values
+
+
+def metrics_result_from(model, variables, sums):
+    """`model.get_metrics_result()` with `variables` read as `sums`."""
+    context = tf.distribute.get_replica_context()
+    values = []
+    for variable, value in zip(variables, sums):
+        if variable.aggregation == "mean":
+            value = value / tf.cast(context.num_replicas_in_sync, value.dtype)
+        values.append(value)
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        return model.get_metrics_result()
+
+
 def global_metrics_result(model):
     """`model.get_metrics_result()` over all replicas, in replica context.
 
     Metric variables are ON_READ: each replica holds its own sums. Read in
     cross-replica context (a `merge_call`), TensorFlow reduces each variable
     on its own, one collective per variable under multi-worker strategies
-    (`SyncOnReadVariable._get_cross_replica`). Keras 3 metrics compute
-    their results from given values (`StatelessScope`), so here all local
-    values travel in ONE batched all-reduce and the results are computed
-    from the sums. tf-keras metrics read their variables directly: the
-    `merge_call` stays.
+    (`SyncOnReadVariable._get_cross_replica`). With Keras 3 all local values
+    travel in ONE batched all-reduce instead and the results are computed
+    from the sums; with tf-keras the `merge_call` stays.
     """
     context = tf.distribute.get_replica_context()
-    if IS_LEGACY:
+    if not PACKS_METRICS:
         return context.merge_call(lambda _: model.get_metrics_result())
-    variables = model.metrics_variables
-    local = []
-    first = tf.cast(context.replica_id_in_sync_group == 0, tf.float32)
-    for variable in variables:
-        # On this replica's device: a read is colocated with its variable,
-        # which may name no device ("destinations can not be empty").
-        value = tf.identity(variable.value)
-        if variable.aggregation == "only_first_replica":
-            value = value * tf.cast(first, value.dtype)
-        local.append(value)
-    by_dtype = {}
-    for position, value in enumerate(local):
-        if variable_aggregates(variables[position]):
-            by_dtype.setdefault(value.dtype, []).append(position)
-    values = list(local)
-    for positions in by_dtype.values():
-        reduced = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, [local[p] for p in positions]
-        )
-        for position, value in zip(positions, reduced):
-            if variables[position].aggregation == "mean":
-                value = value / tf.cast(
-                    context.num_replicas_in_sync, value.dtype
-                )
-            values[position] = value
-    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-        return model.get_metrics_result()
-
-
-def variable_aggregates(variable):
-    """Whether a Keras 3 variable's cross-replica read combines replicas."""
-    return variable.aggregation in ("sum", "mean", "only_first_replica")
+    variables, values = local_metric_values(model)
+    sums = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+    return metrics_result_from(model, variables, sums)
 
 
 # --- TensorFlow graph internals ----------------------------------------------

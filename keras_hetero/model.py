@@ -263,11 +263,19 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             seconds = telemetry.clock(rows, timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         stats = telemetry.stats_vector(num_replicas, rows, seconds)
-        grads, stats = aggregation.aggregate(
+        packed = self._packs_metrics()
+        if packed:
+            # The metrics' replica sums travel in the gradients' collective
+            # (one all-reduce per step, not two). They read only this
+            # step's predictions, so updating them first changes nothing.
+            _compat.update_metrics(self, x, y, y_pred, sample_weight)
+            metric_variables, metric_values = _compat.local_metric_values(self)
+        grads, stats, *metric_sums = aggregation.aggregate(
             grads,
             stats,
             compression=hetero.gradient_compression,
             options=hetero.communication,
+            extra=metric_values if packed else (),
         )
         global_rows = tf.reduce_sum(stats[:num_replicas])
         accumulator = self._accumulator() if variables else None
@@ -302,6 +310,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 accumulator.store(stored, rows_so_far, ready)
         if hetero.telemetry is not None:
             hetero.telemetry.record(stats)
+        if packed:
+            sums = metric_sums[0] if metric_sums else []
+            return _compat.metrics_result_from(self, metric_variables, sums)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
 
@@ -351,6 +362,16 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         )
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
+
+    def _packs_metrics(self):
+        """Whether the step sums the metrics in the gradients' collective."""
+        context = tf.distribute.get_replica_context()
+        return (
+            _compat.PACKS_METRICS
+            and context is not None
+            and context.num_replicas_in_sync > 1
+            and not _distribute.is_parameter_server(context.strategy)
+        )
 
     def _global_logs(self):
         # Metric variables are ON_READ sums: every replica's, summed in one

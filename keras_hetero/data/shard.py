@@ -559,18 +559,19 @@ class HeteroDataset:
                 dataset = dataset.concatenate(more)
             return dataset
 
+        stacked = local_replicas > 1 and _all_dense(batches.element_spec)
         split_batches = batches.enumerate().map(
-            lambda index, *batch: split(
-                index, batch[0] if len(batch) == 1 else batch
+            lambda index, *batch: _maybe_stack(
+                split(index, batch[0] if len(batch) == 1 else batch), stacked
             )
         )
         if local_replicas == 1:
             dataset = split_batches.map(lambda part: part)
-        elif _all_dense(batches.element_spec):
+        elif stacked:
             # The slices padded to one length, stacked, unbatched and cut
             # back: a third of the pipeline's CPU time per global batch
             # that `flat_map` spends making two datasets per element.
-            dataset = split_batches.map(_stack_padded).unbatch().map(_unpad)
+            dataset = split_batches.unbatch().map(_unpad)
         else:
             dataset = split_batches.flat_map(one_after_another)
         if self._map_fn is not None:
@@ -590,6 +591,9 @@ class HeteroDataset:
         # change `ShardRebalancer.lag` batches ahead is never too late.
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
+        # Nor may tf.data run the stateless maps after the split in parallel
+        # (which would pull global batches ahead).
+        options.experimental_optimization.map_parallelization = False
         return dataset.prefetch(1).with_options(options)
 
 
@@ -598,6 +602,10 @@ def _all_dense(spec):
         isinstance(leaf, tf.TensorSpec) and (leaf.shape.rank or 0) >= 1
         for leaf in tf.nest.flatten(spec)
     )
+
+
+def _maybe_stack(slices, stacked):
+    return _stack_padded(*slices) if stacked else slices
 
 
 def _stack_padded(*slices):
