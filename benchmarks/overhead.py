@@ -1,30 +1,40 @@
-"""HeteroModel vs stock keras.Model step time under MirroredStrategy.
+"""HeteroModel vs stock keras.Model step time, equal shares.
 
-Two logical CPUs, equal shares, the same model and data. The two models run
-alternately in one process (several rounds), and we report the median step
-time of each and their ratio. Target: ratio <= 1.03.
+The same model and data under MirroredStrategy on `--replicas` logical CPUs
+of this process, or under MultiWorkerMirroredStrategy with `--workers`
+worker processes (one logical CPU each, TF_CONFIG on 127.0.0.1). The models
+run alternately in one process (several rounds) and we report the median
+step time of each and their ratio. An A/A row (a second stock model against
+the first) shows the noise. Target: ratio <= 1.03 (W=256), <= 1.05 (W=64).
 
-Run: `make bench` (or `python benchmarks/overhead.py`).
+`--profile` adds HeteroModel variants with one piece of its step switched
+off (benchmark-only patches applied while the step is traced), side by side
+in the same run: what each piece costs per step. Step times are medians
+over all rounds; the ratio is the median of the rounds' ratios (each round's
+runs are close in time, so a change of load moves both).
+
+Run: `python benchmarks/overhead.py` (Mirrored, 2 replicas),
+`--replicas 4`, `--workers 2`, `--spe 1 8`, `--profile`.
 """
 
 import argparse
+import contextlib
 import datetime
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero import keras  # noqa: E402
 
-DEVICES = kh.testing.logical_cpus(2)
-GLOBAL_BATCH = 256
+GLOBAL_BATCH = 256  # less 256 % replicas: stock Keras 3 needs equal splits
 STEPS = 40
 
 
-def build(model_class, strategy, width):
+def build(model_class, strategy, width, steps_per_execution):
+    from keras_hetero import keras
+
     with strategy.scope():
         inputs = keras.Input((64,))
         hidden = keras.layers.Dense(width, activation="relu")(inputs)
@@ -34,69 +44,248 @@ def build(model_class, strategy, width):
             optimizer="adam",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
+            steps_per_execution=steps_per_execution,
         )
     return model
 
 
+# --- profile variants: one piece of HeteroModel's step switched off -------
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _no_clocks():
+    import tensorflow as tf
+
+    from keras_hetero.training import telemetry
+
+    return _patched(
+        telemetry,
+        "clock",
+        lambda dependency, enabled=True: tf.constant(np.nan, tf.float64),
+    )
+
+
+def _no_record():
+    from keras_hetero.training import telemetry
+
+    return _patched(telemetry.Telemetry, "record", lambda self, stats: None)
+
+
+@contextlib.contextmanager
+def _local_logs():
+    with (
+        _patched(
+            kh.HeteroModel,
+            "_global_logs",
+            lambda self: self.get_metrics_result(),
+        ),
+        _patched(kh.HeteroModel, "_packs_metrics", lambda self: False),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _all_off():
+    with _no_clocks(), _no_record(), _local_logs():
+        yield
+
+
+# name -> (patch made while tracing, Keras' own input split)
+PROFILE = {
+    "no clocks": (_no_clocks, False),
+    "no telemetry record": (_no_record, False),
+    "local metrics read": (_local_logs, False),
+    "Keras' input split": (contextlib.nullcontext, True),
+    "all four off": (_all_off, True),
+}
+
+
+def global_batch(replicas):
+    """256, or the multiple of `replicas` below it (equal shares)."""
+    return GLOBAL_BATCH - GLOBAL_BATCH % replicas
+
+
+def stock_runs(strategy, steps_per_execution):
+    """Whether stock `keras.Model.fit` works here (docs/strategies.md).
+
+    Stock Keras 3 cannot fit under MultiWorkerMirroredStrategy, nor with
+    `steps_per_execution > 1` under any strategy with several replicas.
+    """
+    import tensorflow as tf
+
+    return kh.FLAVOUR == "tf-keras" or not (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        or steps_per_execution > 1
+    )
+
+
+def measure(strategy, width, rounds, steps_per_execution, profile):
+    """Median seconds per step of each run, alternating fits."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    batch = global_batch(strategy.num_replicas_in_sync)
+    x = rng.normal(size=(batch * STEPS, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(batch * STEPS,)).astype("int32")
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    batched = examples.batch(batch)
+    sharded = kh.data.shard(examples, batch, strategy=strategy)
+    k = steps_per_execution
+    stock_class, bare = kh.keras.Model, None
+    if not stock_runs(strategy, k):
+        # The baseline is HeteroModel's bare step instead.
+        stock_class, bare = kh.HeteroModel, _all_off
+    runs = {
+        "stock": (build(stock_class, strategy, width, k), batched, bare),
+        "stock (A/A)": (
+            build(stock_class, strategy, width, k),
+            batched,
+            bare,
+        ),
+        "HeteroModel": (
+            build(kh.HeteroModel, strategy, width, k),
+            sharded,
+            None,
+        ),
+    }
+    if profile:
+        for name, (patch, keras_split) in PROFILE.items():
+            runs[f"HeteroModel, {name}"] = (
+                build(kh.HeteroModel, strategy, width, k),
+                batched if keras_split else sharded,
+                patch,
+            )
+    for model, data, patch in runs.values():  # warm-up: tracing
+        with patch() if patch else contextlib.nullcontext():
+            model.fit(data, epochs=1, verbose=0, shuffle=False)
+    seconds = {name: [] for name in runs}
+    ratios = {name: [] for name in runs}
+    for number in range(rounds):
+        medians = {}
+        order = list(runs) if number % 2 == 0 else list(runs)[::-1]
+        for name in order:  # every other round reversed: no position bias
+            model, data, _ = runs[name]
+            timer = kh.testing.StepTimer()
+            model.fit(
+                data, epochs=1, verbose=0, shuffle=False, callbacks=[timer]
+            )
+            # One batch-end callback per execution of k steps.
+            steps = np.asarray(timer.seconds) / k
+            seconds[name].extend(steps)
+            medians[name] = np.median(steps)
+        for name in runs:
+            ratios[name].append(medians[name] / medians["stock"])
+    # The ratio is the median over rounds of each round's ratio: the runs of
+    # one round are close in time, so a change of the machine's load (other
+    # jobs) moves both.
+    return {
+        name: (float(np.median(seconds[name])), float(np.median(ratios[name])))
+        for name in runs
+    }
+
+
+def table(strategy, widths, rounds, spes, profile):
+    """Markdown rows: one per (W, k, run), ratio to the stock run."""
+    lines = [
+        "| W | k | run | step (ms) | extra (ms) | "
+        "ratio to stock (median of rounds) |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    for width in widths:
+        for k in spes:
+            medians = measure(strategy, width, rounds, k, profile)
+            stock = medians["stock"][0]
+            for name, (value, ratio) in medians.items():
+                if name == "stock":
+                    continue
+                lines.append(
+                    f"| {width} | {k} | {name} | {1000 * value:.2f} | "
+                    f"{1000 * (value - stock):.2f} | {ratio:.3f} |"
+                )
+    return lines
+
+
+def _mwms_worker(widths, rounds, spes, profile):
+    kh.testing.logical_cpus(1)
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    return table(strategy, widths, rounds, spes, profile)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument(
         "--widths",
         type=int,
         nargs="+",
-        default=[256, 1024],
+        default=[64, 256, 1024],
         help="hidden widths W of the MLP to measure",
     )
+    parser.add_argument(
+        "--spe",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="steps_per_execution values k to measure",
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--replicas", type=int, default=2)
+    group.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 64)).astype("float32")
-    y = rng.integers(0, 10, size=(GLOBAL_BATCH * STEPS,)).astype("int32")
-    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    if args.workers:
+        where = (
+            f"MultiWorkerMirroredStrategy, {args.workers} worker processes "
+            "(1 logical CPU each, 127.0.0.1)"
+        )
+    else:
+        where = f"MirroredStrategy on {args.replicas} logical CPUs"
+    load = os.getloadavg()[0]
     print(
         f"overhead benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, MirroredStrategy on 2 logical CPUs, equal shares, "
-        f"global batch {GLOBAL_BATCH}, {args.rounds} alternating rounds of "
-        f"{STEPS} steps, MLP 64-W-W-10"
+        f"{kh.FLAVOUR}, {where}, equal shares, global batch "
+        f"{global_batch(args.workers or args.replicas)}, "
+        f"{args.rounds} alternating rounds of {STEPS} steps, MLP 64-W-W-10, "
+        f"load average at start {load:.1f} on {os.cpu_count()} cores"
     )
     print()
-    print(
-        "| W | stock step (ms) | HeteroModel step (ms) | extra (ms) | ratio |"
-    )
-    print("|---:|---:|---:|---:|---:|")
-    for width in args.widths:
-        stock, hetero = measure(strategy, examples, width, args.rounds)
-        print(
-            f"| {width} | {1000 * stock:.2f} | {1000 * hetero:.2f} | "
-            f"{1000 * (hetero - stock):.2f} | {hetero / stock:.3f} |"
+    if args.workers:
+        results = kh.testing.run_workers(
+            _mwms_worker,
+            args.workers,
+            timeout=590,
+            args=(args.widths, args.rounds, args.spe, args.profile),
         )
-
-
-def measure(strategy, examples, width, rounds):
-    """Median step seconds of (stock, HeteroModel), alternating fits."""
-    runs = {
-        "stock": (
-            build(keras.Model, strategy, width),
-            examples.batch(GLOBAL_BATCH),
-        ),
-        "hetero": (
-            build(kh.HeteroModel, strategy, width),
-            kh.data.shard(examples, GLOBAL_BATCH, strategy=strategy),
-        ),
-    }
-    seconds = {name: [] for name in runs}
-    for model, data in runs.values():  # warm-up: tracing
-        model.fit(data, epochs=1, verbose=0)
-    for _ in range(rounds):
-        for name, (model, data) in runs.items():
-            timer = kh.testing.StepTimer()
-            model.fit(data, epochs=1, verbose=0, callbacks=[timer])
-            seconds[name].extend(timer.seconds)
-    return (
-        float(np.median(seconds["stock"])),
-        float(np.median(seconds["hetero"])),
-    )
+        lines = results[0].value
+    else:
+        devices = kh.testing.logical_cpus(args.replicas)
+        strategy = kh.testing.mirrored(devices)
+        lines = table(
+            strategy, args.widths, args.rounds, args.spe, args.profile
+        )
+    if kh.FLAVOUR != "tf-keras" and (args.workers or max(args.spe) > 1):
+        print(
+            "stock Keras 3 cannot fit under MultiWorkerMirroredStrategy, nor "
+            "with steps_per_execution > 1 under MirroredStrategy: in those "
+            'rows "stock" is HeteroModel with the four pieces of --profile '
+            "switched off (no clocks, no telemetry record, local metrics "
+            "read, Keras' input split)"
+        )
+        print()
+    print("\n".join(lines))
+    print()
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

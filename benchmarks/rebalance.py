@@ -15,8 +15,16 @@ alone (one device, the whole global batch) and the ideal is the sum of those
 solo rows/s. The time scale is chosen so a perfectly balanced step takes
 `--step-ms` of simulated work; all figures are simulated.
 
-Run: `python benchmarks/rebalance.py` (about 10 minutes on 2 cores;
-`--strategies mirrored` for half of that).
+The fixed per-step cost of each strategy and replica count is measured
+apart from the imbalance: an A/A run with EQUAL simulated speeds and equal
+shares has nothing to balance, so its step time beyond the ideal is the
+fixed part (collectives, host loop). Each rebalanced rate is reported as a
+fraction of the raw ideal and of the ideal with that fixed cost added to
+its step ("ideal minus fixed").
+
+Run: `python benchmarks/rebalance.py` (about 12 minutes on 2 cores;
+`--strategies mirrored` for half of that; `--strategies mwms --cases
+1:2,1:4,1:1:2:4` for the MWMS rows only).
 """
 
 import argparse
@@ -129,6 +137,11 @@ def main():
         default="mirrored,mwms",
         help="comma-separated: mirrored, mwms",
     )
+    parser.add_argument(
+        "--cases",
+        default="",
+        help='comma-separated speed cases, e.g. "1:2,1:4" (default: all)',
+    )
     args = parser.parse_args()
     devices = kh.testing.logical_cpus(4)
     step = args.step_ms / 1000.0
@@ -143,10 +156,11 @@ def main():
     print(
         "| strategy | speeds | ideal samples/s (measured solo sum) | "
         "uniform samples/s | uniform % ideal | rebalanced samples/s | "
-        "rebalanced % ideal | rebalanced: steps after the change to 95% "
-        "of ideal / to 95% of its own steady rate |"
+        "rebalanced % ideal | fixed cost per step (ms, A/A) | "
+        "rebalanced % (ideal minus fixed) | rebalanced: steps after the "
+        "change to 95% of ideal / to 95% of its own steady rate |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     # (name, speeds before, slowdown (step, replica, factor) or None)
     cases = [
         ("1:2", [1, 2], None),
@@ -154,10 +168,35 @@ def main():
         ("1:1:2:4", [1, 1, 2, 4], None),
         ("1:1, replica 1 2x slower at step 100", [1, 1], (100, 1, 2.0)),
     ]
+    if args.cases:
+        chosen = args.cases.split(",")
+        cases = [case for case in cases if case[0] in chosen]
     solo = {}
+    fixed = {}  # (kind, replicas) -> seconds per step beyond the ideal
+
+    def fixed_cost(kind, label, replicas):
+        """The A/A run: equal speeds, equal shares, so no imbalance."""
+        if (kind, replicas) not in fixed:
+            unit = step * replicas / GLOBAL_BATCH
+            seconds = [unit] * replicas
+            ideal = replicas * solo_rate(devices, unit, solo)
+            times = run(kind, devices, seconds, args.steps, False, None)
+            measured = float(np.median(times[-args.tail :]))
+            fixed[(kind, replicas)] = measured - GLOBAL_BATCH / ideal
+            rate = GLOBAL_BATCH / measured
+            name = ":".join(["1"] * replicas) + " (A/A: equal speeds)"
+            print(
+                f"| {label} | {name} | {ideal:.0f} | {rate:.0f} | "
+                f"{100 * rate / ideal:.0f}% | - | - | "
+                f"{1000 * fixed[(kind, replicas)]:.1f} | - | - |",
+                flush=True,
+            )
+        return fixed[(kind, replicas)]
+
     for kind in args.strategies.split(","):
         label = {"mirrored": "Mirrored", "mwms": "MWMS"}[kind]
         for name, speeds, slowdown in cases:
+            overhead = fixed_cost(kind, label, len(speeds))
             after = np.asarray(speeds, np.float64)
             steps = args.steps
             if slowdown:
@@ -170,6 +209,8 @@ def main():
             ideal = sum(
                 solo_rate(devices, unit / s, solo) for s in after.tolist()
             )
+            # The ideal rate with the strategy's fixed per-step cost added.
+            reachable = GLOBAL_BATCH / (GLOBAL_BATCH / ideal + overhead)
             row = [label, name, f"{ideal:.0f}"]
             reached = []
             for rebalance in (False, True):
@@ -182,6 +223,7 @@ def main():
                     for target in (0.95 * ideal, 0.95 * rate):
                         hit = steps_to_target(after_change, target)
                         reached.append("never" if hit is None else str(hit))
+            row += [f"{1000 * overhead:.1f}", f"{100 * rate / reachable:.0f}%"]
             row.append(" / ".join(reached) if slowdown else "-")
             print("| " + " | ".join(row) + " |", flush=True)
 

@@ -221,8 +221,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         hetero = self._hetero
         rows = _batches.batch_rows(x)
-        # XLA cannot call the host, nor can a parameter-server worker (its
-        # closures are timed on the worker by the runner instead).
+        # No clock readings in an XLA-compiled step, nor on a parameter-server
+        # worker (its closures are timed on the worker by the runner).
         timed = not _compat.jit_compiled(self) and not (
             _distribute.is_parameter_server(tf.distribute.get_strategy())
         )
@@ -261,11 +261,19 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             seconds = telemetry.clock(rows, timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         stats = telemetry.stats_vector(num_replicas, rows, seconds)
-        grads, stats = aggregation.aggregate(
+        packed = self._packs_metrics()
+        if packed:
+            # The metrics' replica sums travel in the gradients' collective
+            # (one all-reduce per step, not two). They read only this
+            # step's predictions, so updating them first changes nothing.
+            _compat.update_metrics(self, x, y, y_pred, sample_weight)
+            metric_variables, metric_values = _compat.local_metric_values(self)
+        grads, stats, *metric_sums = aggregation.aggregate(
             grads,
             stats,
             compression=hetero.gradient_compression,
             options=hetero.communication,
+            extra=metric_values if packed else (),
         )
         global_rows = tf.reduce_sum(stats[:num_replicas])
         accumulator = self._accumulator() if variables else None
@@ -295,6 +303,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 accumulator.store(stored, rows_so_far, ready)
         if hetero.telemetry is not None:
             hetero.telemetry.record(stats)
+        if packed:
+            sums = metric_sums[0] if metric_sums else []
+            return _compat.metrics_result_from(self, metric_variables, sums)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
 
@@ -353,9 +364,19 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
 
+    def _packs_metrics(self):
+        """Whether the step sums the metrics in the gradients' collective."""
+        context = tf.distribute.get_replica_context()
+        return (
+            _compat.PACKS_METRICS
+            and context is not None
+            and context.num_replicas_in_sync > 1
+            and not _distribute.is_parameter_server(context.strategy)
+        )
+
     def _global_logs(self):
-        # Metric variables are ON_READ sums: read in cross-replica context
-        # they aggregate all replicas (a collective under multi-worker).
+        # Metric variables are ON_READ sums: every replica's, summed in one
+        # batched collective (see `_compat.global_metrics_result`).
         context = tf.distribute.get_replica_context()
         if (
             context is None
@@ -363,7 +384,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             or _distribute.is_parameter_server(context.strategy)
         ):
             return self.get_metrics_result()
-        return context.merge_call(lambda _: self.get_metrics_result())
+        return _compat.global_metrics_result(self)
 
     def _parameter_server(self):
         """The `ParameterServerRunner` of this model (created once)."""

@@ -9,6 +9,7 @@ import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
+from keras_hetero import _compat
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
 
@@ -189,6 +190,40 @@ def test_collective_gets_the_wire_dtype_and_the_options(compression, timeout):
     # (in their collective when they are float32 too).
     assert dtypes == {wire, tf.float32}
     assert {hint for _, hint in found} == {"ring"}
+
+
+@pytest.mark.skipif(
+    not _compat.PACKS_METRICS,
+    reason="tf-keras metrics read their variables: a merge_call reduces them",
+)
+def test_one_collective_per_step_for_gradients_telemetry_and_metrics():
+    # The metric variables' replica sums travel in the gradients' collective
+    # (a cross-replica read would reduce each variable on its own).
+    from tensorflow.python.eager import context
+
+    before = set(context.context().list_function_names())
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()  # loss and "mae": 4 metric variables
+    data = kh.data.shard(
+        helpers.examples(),
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
+        shares=[0.75, 0.25],
+    )
+    history = model.fit(data, epochs=1, verbose=0)
+    reduces = [
+        node
+        for name in set(context.context().list_function_names()) - before
+        for node in context.context().get_function_def(name).node_def
+        if node.op.startswith("CollectiveReduce")
+    ]
+    assert len(reduces) == strategy.num_replicas_in_sync  # one per replica
+    reference, reference_history = helpers.reference_fit(epochs=1)
+    for key in ("loss", "mae"):
+        assert history.history[key] == pytest.approx(
+            reference_history[key], rel=1e-5
+        )
 
 
 @pytest.mark.parametrize(

@@ -187,6 +187,40 @@ def test_compute_seconds_reflect_simulated_speed():
     assert stats.compute_seconds[0] < stats.compute_seconds[1]
 
 
+def test_replica_clocks_do_not_wait_for_each_other():
+    # A stateful clock op would be chained across the replicas' steps by
+    # automatic control dependencies: replica 1's start after replica 0's end.
+    import time
+
+    from keras_hetero.training import telemetry
+
+    strategy = helpers.mirrored(DEVICES[:2])
+
+    def work(x):
+        time.sleep(0.2)
+        return x
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            start = telemetry.clock(x)
+            with tf.control_dependencies([start]):
+                x = tf.identity(x)
+            y = tf.numpy_function(work, [x], tf.float32, stateful=False)
+            with tf.control_dependencies([y]):
+                end = telemetry.clock(tf.shape(x)[0])
+            return start, end, y
+
+        return strategy.run(replica, (x,))
+
+    starts, ends, _ = step(tf.ones([2]))
+    starts = [float(s) for s in strategy.experimental_local_results(starts)]
+    ends = [float(e) for e in strategy.experimental_local_results(ends)]
+    assert all(e - s >= 0.2 for s, e in zip(starts, ends))
+    # The two replicas' intervals overlap: each started before the other ended.
+    assert max(starts) < min(ends)
+
+
 def test_model_created_outside_scope_used_inside_is_an_error():
     model = kh.HeteroModel(*helpers.layers())
     strategy = helpers.mirrored(DEVICES[:2])

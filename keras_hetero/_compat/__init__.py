@@ -120,6 +120,7 @@ from keras_hetero._compat.saving import (
 from keras_hetero._compat.saving import (
     unsaved_random_layers as unsaved_random_layers,
 )
+from keras_hetero._compat.training import PACKS_METRICS as PACKS_METRICS
 from keras_hetero._compat.training import (
     Keras3TrainerOverrides as Keras3TrainerOverrides,
 )
@@ -134,13 +135,25 @@ from keras_hetero._compat.training import (
     first_local_values as first_local_values,
 )
 from keras_hetero._compat.training import (
+    global_metrics_result as global_metrics_result,
+)
+from keras_hetero._compat.training import (
     has_learning_rate_schedule as has_learning_rate_schedule,
 )
 from keras_hetero._compat.training import (
     is_loss_scale_optimizer as is_loss_scale_optimizer,
 )
 from keras_hetero._compat.training import (
+    local_metric_values as local_metric_values,
+)
+from keras_hetero._compat.training import (
+    metrics_result_from as metrics_result_from,
+)
+from keras_hetero._compat.training import (
     skip_optimizer_all_reduce as skip_optimizer_all_reduce,
+)
+from keras_hetero._compat.training import (
+    unordered_timestamp as unordered_timestamp,
 )
 from keras_hetero._compat.training import (
     unscaled_mean_loss as unscaled_mean_loss,

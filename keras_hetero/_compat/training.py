@@ -436,3 +436,105 @@ def has_learning_rate_schedule(optimizer):
         getattr(optimizer, "_learning_rate", None),
         keras.optimizers.schedules.LearningRateSchedule,
     )
+
+
+# Keras 3 metrics compute their results from given values (`StatelessScope`),
+# so their replicas' sums can travel in a collective the step already makes.
+# tf-keras metrics read their variables directly.
+PACKS_METRICS = not IS_LEGACY
+
+
+def local_metric_values(model):
+    """This replica's values of the metric variables that combine replicas.
+
+    Keras 3 only (`PACKS_METRICS`). A SUM of them across replicas, given to
+    `metrics_result_from`, gives what a cross-replica read would.
+
+    Returns:
+        `(variables, values)`: lists of the same length.
+    """
+    context = tf.distribute.get_replica_context()
+    first = context.replica_id_in_sync_group == 0
+    variables, values = [], []
+    for variable in model.metrics_variables:
+        if variable.aggregation not in ("sum", "mean", "only_first_replica"):
+            continue
+        # On this replica's device: a read is colocated with its variable,
+        # which may name no device ("destinations can not be empty").
+        value = tf.identity(variable.value)
+        if variable.aggregation == "only_first_replica":
+            value = value * tf.cast(first, value.dtype)
+        variables.append(variable)
+        values.append(value)
+    return variables, values
+
+
+def metrics_result_from(model, variables, sums):
+    """`model.get_metrics_result()` with `variables` read as `sums`."""
+    context = tf.distribute.get_replica_context()
+    values = []
+    for variable, value in zip(variables, sums):
+        if variable.aggregation == "mean":
+            value = value / tf.cast(context.num_replicas_in_sync, value.dtype)
+        values.append(value)
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        return model.get_metrics_result()
+
+
+def global_metrics_result(model):
+    """`model.get_metrics_result()` over all replicas, in replica context.
+
+    Metric variables are ON_READ: each replica holds its own sums. Read in
+    cross-replica context (a `merge_call`), TensorFlow reduces each variable
+    on its own, one collective per variable under multi-worker strategies
+    (`SyncOnReadVariable._get_cross_replica`). With Keras 3 all local values
+    travel in ONE batched all-reduce instead and the results are computed
+    from the sums; with tf-keras the `merge_call` stays.
+    """
+    context = tf.distribute.get_replica_context()
+    if not PACKS_METRICS:
+        return context.merge_call(lambda _: model.get_metrics_result())
+    variables, values = local_metric_values(model)
+    sums = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+    return metrics_result_from(model, variables, sums)
+
+
+# --- TensorFlow graph internals ---------------------------------------------
+
+_TIMESTAMPS = {}  # dtype of the dependency -> the traced `_timestamp_after`
+
+
+def _timestamp_after(dependency):
+    with tf.control_dependencies([dependency]):
+        return tf.timestamp()
+
+
+def unordered_timestamp(dependency):
+    """`tf.timestamp()` once `dependency` (a tensor) is computed, in-graph.
+
+    Automatic control dependencies (tensorflow/python/framework/
+    auto_control_deps.py, `last_write_to_resource[None]`) chain every
+    stateful op without resource inputs in program order, so plain
+    `tf.timestamp` calls in the replicas' steps would run replica after
+    replica (a step's replicas are traced one after another). A stateless
+    `PartitionedCall` of a function holding the Timestamp is not chained: a
+    native kernel, with no host callback (`numpy_function` costs a Python
+    call and the GIL per reading). Grappler inlines the call; the
+    Timestamp inside still waits for `dependency` and for the call's
+    control inputs.
+    """
+    function = _TIMESTAMPS.get(dependency.dtype)
+    if function is None:
+        function = tf.function(_timestamp_after, autograph=False)
+        function = function.get_concrete_function(
+            tf.TensorSpec(None, dependency.dtype)
+        )
+        _TIMESTAMPS[dependency.dtype] = function
+    function.add_to_graph(tf.compat.v1.get_default_graph())
+    (value,) = tf.raw_ops.PartitionedCall(
+        args=[dependency],
+        Tout=[tf.float64],
+        f=function.function_def.signature.name,
+    )
+    value.set_shape([])
+    return value

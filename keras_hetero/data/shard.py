@@ -552,13 +552,19 @@ class HeteroDataset:
                 dataset = dataset.concatenate(more)
             return dataset
 
+        stacked = local_replicas > 1 and _all_dense(batches.element_spec)
         split_batches = batches.enumerate().map(
-            lambda index, *batch: split(
-                index, batch[0] if len(batch) == 1 else batch
+            lambda index, *batch: _maybe_stack(
+                split(index, batch[0] if len(batch) == 1 else batch), stacked
             )
         )
         if local_replicas == 1:
             dataset = split_batches.map(lambda part: part)
+        elif stacked:
+            # The slices padded to one length, stacked, unbatched and cut
+            # back: a third of the pipeline's CPU time per global batch
+            # that `flat_map` spends making two datasets per element.
+            dataset = split_batches.unbatch().map(_unpad)
         else:
             dataset = split_batches.flat_map(one_after_another)
         if self._map_fn is not None:
@@ -578,7 +584,45 @@ class HeteroDataset:
         # change `ShardRebalancer.lag` batches ahead is never too late.
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
+        # Nor may tf.data run the stateless maps after the split in parallel
+        # (which would pull global batches ahead).
+        options.experimental_optimization.map_parallelization = False
         return dataset.prefetch(1).with_options(options)
+
+
+def _all_dense(spec):
+    return all(
+        isinstance(leaf, tf.TensorSpec) and (leaf.shape.rank or 0) >= 1
+        for leaf in tf.nest.flatten(spec)
+    )
+
+
+def _maybe_stack(slices, stacked):
+    return _stack_padded(*slices) if stacked else slices
+
+
+def _stack_padded(*slices):
+    """`(slices stacked, each padded to the longest; their row counts)`."""
+    rows = tf.stack(
+        [
+            tf.shape(tf.nest.flatten(part)[0], out_type=tf.int64)[0]
+            for part in slices
+        ]
+    )
+    longest = tf.reduce_max(rows)
+
+    def stack(*tensors):
+        padded = []
+        for t in tensors:
+            pad = [[0, longest - tf.shape(t, out_type=tf.int64)[0]]]
+            padded.append(tf.pad(t, pad + [[0, 0]] * (t.shape.rank - 1)))
+        return tf.stack(padded)
+
+    return tf.nest.map_structure(stack, *slices), rows
+
+
+def _unpad(part, rows):
+    return tf.nest.map_structure(lambda t: t[:rows], part)
 
 
 class _PassOrder:

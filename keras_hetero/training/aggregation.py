@@ -154,7 +154,7 @@ def wire_bytes(variables, compression=None, num_replicas=1):
     return total + 2 * num_replicas * tf.float32.size
 
 
-def aggregate(grads, stats, *, compression=None, options=None):
+def aggregate(grads, stats, *, compression=None, options=None, extra=()):
     """Sums row-weighted local gradients and telemetry across replicas.
 
     Args:
@@ -165,10 +165,18 @@ def aggregate(grads, stats, *, compression=None, options=None):
             wire only. Defaults to `None`.
         options: `tf.distribute.experimental.CommunicationOptions` for the
             collective. Defaults to `None`.
+        extra: More tensors to sum in the same collective (e.g. the metric
+            variables' local values). Defaults to `()`.
 
     Returns:
-        `(summed_grads, summed_stats)`, gradients in their original dtypes.
+        `(summed_grads, summed_stats)`, gradients in their original dtypes;
+        with `extra`, `(summed_grads, summed_stats, summed_extra)`.
     """
     wire = compress(grads, compression)
-    reduced = all_reduce_sum(list(wire) + [stats], options=options)
-    return decompress(reduced[:-1], grads), reduced[-1]
+    extra = list(extra)
+    reduced = all_reduce_sum(list(wire) + [stats] + extra, options=options)
+    summed_grads = decompress(reduced[: len(wire)], grads)
+    summed_stats = reduced[len(wire)]
+    if not extra:
+        return summed_grads, summed_stats
+    return summed_grads, summed_stats, reduced[len(wire) + 1 :]

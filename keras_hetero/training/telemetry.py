@@ -7,11 +7,11 @@ up with every replica's numbers at no extra collective.
 """
 
 import dataclasses
-import time
 
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _compat
 from keras_hetero import _distribute
 
 
@@ -47,26 +47,20 @@ class StepStats:
             )
 
 
-def _now(dependency):
-    del dependency
-    return np.float64(time.perf_counter())
-
-
 def clock(dependency, enabled=True):
-    """Host time in seconds, taken once `dependency` is computed.
+    """Time in seconds (`tf.timestamp`), taken once `dependency` is computed.
 
-    A stateless `numpy_function` keeps TensorFlow's automatic control
-    dependencies from ordering the clocks of different replicas one after the
-    other (a stateful op would serialize the replicas' steps).
+    In-graph and unordered with the other replicas' clocks (see
+    `_compat.unordered_timestamp`): a stateful op would serialise the
+    replicas' steps, and a host callback (`numpy_function`) costs a Python
+    call per reading.
 
-    With `enabled=False` (an XLA-compiled step, which cannot call the host)
-    the time is NaN: "not measured" to everything that reads it.
+    With `enabled=False` (an XLA-compiled step takes no readings) the
+    time is NaN: "not measured" to everything that reads it.
     """
     if not enabled:
         return tf.constant(np.nan, tf.float64)
-    value = tf.numpy_function(_now, [dependency], tf.float64, stateful=False)
-    value.set_shape([])
-    return value
+    return _compat.unordered_timestamp(dependency)
 
 
 def stats_vector(num_replicas, rows, seconds):
