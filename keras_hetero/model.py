@@ -372,6 +372,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             and context is not None
             and context.num_replicas_in_sync > 1
             and not _distribute.is_parameter_server(context.strategy)
+            # A collective in replica context never returns there.
+            and not _distribute.replicas_on_missing_devices(context.strategy)
         )
 
     def _global_logs(self):
@@ -384,6 +386,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             or _distribute.is_parameter_server(context.strategy)
         ):
             return self.get_metrics_result()
+        if _distribute.replicas_on_missing_devices(context.strategy):
+            # Reduced in cross-replica context (see aggregation.all_reduce_sum).
+            return context.merge_call(lambda _: self.get_metrics_result())
         return _compat.global_metrics_result(self)
 
     def _parameter_server(self):
