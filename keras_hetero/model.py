@@ -765,7 +765,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
 
 @_compat.register_serializable("HeteroModel")
-class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
+class _FunctionalHeteroModel(
+    options.SettingsInConfig, HeteroModel, _compat.Functional
+):
     """The class of functional HeteroModels (`HeteroModel(inputs, outputs)`)."""
 
     def get_config(self):
@@ -774,13 +776,6 @@ class _FunctionalHeteroModel(HeteroModel, _compat.Functional):
         )
         config.update(self._hetero.config())
         return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config, settings = options.split_settings(config)
-        model = super().from_config(config, custom_objects=custom_objects)
-        options.set_settings(model, settings)
-        return model
 
 
 # Keras names a model's class in configs, summaries and legacy `.h5` files by

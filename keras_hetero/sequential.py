@@ -13,7 +13,9 @@ _SEQUENTIAL_SIGNATURE = inspect.signature(keras.Sequential.__init__)
 
 
 @_compat.register_serializable("HeteroSequential")
-class HeteroSequential(model_lib.HeteroModel, keras.Sequential):
+class HeteroSequential(
+    options.SettingsInConfig, model_lib.HeteroModel, keras.Sequential
+):
     """A `keras.Sequential` that trains correctly on unequal replicas.
 
     The one-line swap for `keras.Sequential`: `add`, `pop`, a model built
@@ -69,13 +71,6 @@ class HeteroSequential(model_lib.HeteroModel, keras.Sequential):
         # Sequential's config and HeteroModel's settings (a HeteroModel
         # subclass gets Keras' own config only; the settings are ours).
         return {**super().get_config(), **self._hetero.config()}
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config, settings = options.split_settings(config)
-        model = super().from_config(config, custom_objects=custom_objects)
-        options.set_settings(model, settings)
-        return model
 
 
 # Legacy `.h5` files name the class by its bare name.

@@ -94,3 +94,16 @@ def check_options(
             f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
             "or None."
         )
+
+
+class SettingsInConfig:
+    """Mixin for the HeteroModel classes whose config carries the settings
+    (functional, Sequential): `from_config` takes them out before Keras'
+    own `from_config` and gives them to the model it made."""
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config, settings = split_settings(config)
+        model = super().from_config(config, custom_objects=custom_objects)
+        set_settings(model, settings)
+        return model
