@@ -2,6 +2,8 @@
 argument errors, telemetry, evaluate / predict."""
 
 import os
+import subprocess
+import sys
 
 import helpers
 import numpy as np
@@ -185,6 +187,38 @@ def test_compute_seconds_reflect_simulated_speed():
     # Replica 1 sleeps 8 rows * 0.01 s inside its step; replica 0 does not.
     assert stats.compute_seconds[1] >= 0.08
     assert stats.compute_seconds[0] < stats.compute_seconds[1]
+
+
+_FIT_AFTER_CONTEXT_RESET = """
+import numpy as np
+from tensorflow.python.eager import context
+import keras_hetero as kh
+from keras_hetero._compat import keras
+
+def fit():
+    inputs = keras.Input((3,))
+    model = kh.HeteroModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+    return model.step_stats.compute_seconds
+
+fit()
+context._reset_context()  # as Keras' and TF's distribute tests do
+print("seconds", fit().tolist())
+"""
+
+
+def test_clocks_work_after_the_eager_context_is_reset():
+    # The clock function is registered in the context it was traced in; a
+    # cached one called in a new context gave "Can't find a function".
+    result = subprocess.run(
+        [sys.executable, "-c", _FIT_AFTER_CONTEXT_RESET],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "seconds [" in result.stdout
 
 
 def test_replica_clocks_do_not_wait_for_each_other():

@@ -4,6 +4,7 @@
 import threading
 
 import tensorflow as tf
+from tensorflow.python.eager import context as _context
 
 from keras_hetero._compat.flavour import CONVERTS_OPTIONAL_INPUTS
 from keras_hetero._compat.flavour import EPOCH_ITERATOR_YIELDS_STEP_RANGE
@@ -524,7 +525,13 @@ def unordered_timestamp(dependency):
     control inputs.
     """
     function = _TIMESTAMPS.get(dependency.dtype)
-    if function is None:
+    if function is None or not _context.context().has_function(
+        function.function_def.signature.name
+    ):
+        # A function is registered in the eager context it was traced in;
+        # a reset context (`context._reset_context()`, as Keras' and TF's
+        # own distribute tests do between cases) no longer has it, and a
+        # call of it then fails with "Can't find a function". Trace again.
         function = tf.function(_timestamp_after, autograph=False)
         function = function.get_concrete_function(
             tf.TensorSpec(None, dependency.dtype)
