@@ -19,6 +19,7 @@ from keras_hetero.model import HeteroModel
 from keras_hetero.precision import set_precision
 from keras_hetero.sequential import HeteroSequential
 from keras_hetero.timeouts import Timeouts
+from keras_hetero.training.low_communication import LowCommunication
 from keras_hetero.training.telemetry import StepStats
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "FLAVOUR",
     "HeteroModel",
     "HeteroSequential",
+    "LowCommunication",
     "StepStats",
     "Timeouts",
     "callbacks",

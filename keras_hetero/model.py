@@ -36,6 +36,7 @@ from keras_hetero.training import aggregation
 from keras_hetero.training import batch_statistics
 from keras_hetero.training import keras_callbacks
 from keras_hetero.training import loss_scale as loss_scale_lib
+from keras_hetero.training import low_communication
 from keras_hetero.training import options
 from keras_hetero.training import parameter_server
 from keras_hetero.training import telemetry
@@ -91,14 +92,21 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         communication: A `tf.distribute.experimental.CommunicationOptions`
             passed to the gradient all-reduce. Defaults to `None`.
         global_clipnorm: Clip the AGGREGATED gradient to this global norm.
-            Defaults to `None` (no clipping).
+            Defaults to `None` (no clipping). With `low_communication`, each
+            replica's own gradient.
+        low_communication: A `kh.LowCommunication`: local steps with no
+            gradient collective, a pseudo-gradient all-reduce every
+            `sync_every` steps and an outer optimizer (DiLoCo-style, see
+            docs/low-communication.md). Defaults to `None` (synchronous).
         **kwargs: What `keras.Model` takes.
 
     Raises:
         ValueError: For an unknown `precision` or `gradient_compression`,
-            `accumulation_steps` or `pipeline_microbatches` below 1, or a
-            `global_clipnorm` that is not positive.
-        TypeError: If `communication` is not `CommunicationOptions`.
+            `accumulation_steps` or `pipeline_microbatches` below 1, a
+            `global_clipnorm` that is not positive, or `low_communication`
+            with `accumulation_steps` or `gradient_compression`.
+        TypeError: If `communication` is not `CommunicationOptions`, or
+            `low_communication` not a `kh.LowCommunication`.
 
     Example:
 
@@ -124,8 +132,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         pipeline_microbatches=1,
         communication=None,
         global_clipnorm=None,
+        low_communication=None,
         **kwargs,
     ):
+        low_communication = options.from_config_value(low_communication)
         options.check_options(
             precision,
             gradient_compression,
@@ -133,6 +143,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             pipeline_microbatches,
             communication,
             global_clipnorm,
+            low_communication,
         )
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
@@ -148,6 +159,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             pipeline_microbatches=pipeline_microbatches,
             communication=communication,
             global_clipnorm=global_clipnorm,
+            low_communication=low_communication,
         )
         _compat.reduce_logs_to_first_replica(
             self,
@@ -257,6 +269,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             )
         grads = tape.gradient(target, variables) if variables else []
         grads = loss_scale_lib.gradients_of_sum(grads, row_count, scale)
+        if hetero.low_communication is not None:
+            return self._local_step(
+                (x, y, y_pred, sample_weight), grads, variables, rows, start
+            )
         with tf.control_dependencies(_dependencies(grads)):
             seconds = telemetry.clock(rows, timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -308,6 +324,44 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             return _compat.metrics_result_from(self, metric_variables, sums)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
+
+    def _local_step(self, data, grads, variables, rows, start):
+        """An inner step of low-communication training: this replica's own
+        gradient, applied to its own weights; no collective (see
+        `training.low_communication`)."""
+        x, y, y_pred, sample_weight = data
+        local = self._local_training()
+        with tf.control_dependencies(_dependencies(grads)):
+            seconds = telemetry.clock(rows, True) - start
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        stats = telemetry.stats_vector(num_replicas, rows, seconds)
+        # A replica without rows applies zero gradients; its weights then
+        # count for nothing in the pseudo-gradient (weighted by rows).
+        row_count = tf.maximum(tf.cast(rows, tf.float32), 1.0)
+        grads = aggregation.divide(grads, row_count)
+        grads = aggregation.clip_by_global_norm(
+            grads, self._hetero.global_clipnorm
+        )
+        with tf.control_dependencies([rows]):
+            if variables:
+                _compat.apply_aggregated_gradients(
+                    self.optimizer, grads, variables
+                )
+            local.record(rows, stats)
+        _compat.update_metrics(self, x, y, y_pred, sample_weight)
+        # This replica's own metrics (no collective between synchronisations).
+        return self.get_metrics_result()
+
+    def _local_training(self):
+        """The `LocalTraining` state (created once), or None."""
+        hetero = self._hetero
+        if hetero.low_communication is None:
+            return None
+        if getattr(hetero, "local_training", None) is None:
+            hetero.local_training = low_communication.LocalTraining(
+                self, hetero.low_communication
+            )
+        return hetero.local_training
 
     def _forward(self, x, y, sample_weight, rows):
         """Predictions and this replica's mean loss (float32) on its rows.
@@ -421,6 +475,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             found += hetero.loss_scale.variables
         if self._accumulator() is not None:
             found += hetero.accumulator.variables
+        if self.built and self._local_training() is not None:
+            found += hetero.local_training.variables
         return found
 
     # --- saving ------------------------------------------------------------
@@ -503,20 +559,55 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             )
         if self.built:  # else its first trace builds the model and sums
             self._accumulator()
+        if hetero.low_communication is not None:
+            self._check_low_communication()
+            self._local_training()
         super().make_train_function(force=force)
         function = self.train_function
         if hetero.telemetry is None:
             return function
+        local = self._local_training()
 
         def train_function(iterator):
             logs = function(iterator)
-            hetero.telemetry.snapshot()
+            if local is None or local.maybe_synchronise():
+                # Low-communication: the telemetry of a round arrives with
+                # its synchronisation.
+                hetero.telemetry.snapshot()
             return logs
 
         self.train_function = train_function
         return train_function
 
     # --- input and strategy checks ---------------------------------------
+
+    def _check_low_communication(self):
+        """Refuses, before the first step, what low-communication training
+        cannot do."""
+        mode = self._hetero.low_communication
+        low_communication.check_strategy(self.distribute_strategy)
+        if not self.built:
+            raise ValueError(
+                f"`{self.name}` with `low_communication` must be built before "
+                "`fit` (its weights at the start of each round are copied "
+                "then): give it `keras.Input`, or call `model.build(shape)` "
+                "or the model on a batch first."
+            )
+        if self._hetero.loss_scale is not None:
+            raise ValueError(
+                f"`{self.name}` with `low_communication` computes in float16 "
+                "and needs loss scaling, which low-communication training "
+                "does not do (each replica would skip steps on its own). "
+                'Use `precision="mixed_bfloat16"` or float32.'
+            )
+        steps = _compat.steps_per_execution(self)
+        if mode.sync_every % steps:
+            raise ValueError(
+                f"`LowCommunication(sync_every={mode.sync_every})` is not a "
+                f"multiple of `steps_per_execution={steps}`: the replicas "
+                "synchronise between train-function calls. Choose a "
+                "`sync_every` that is a multiple of it."
+            )
 
     def compile(self, *args, **kwargs):
         self._check_strategy("compile")
@@ -540,6 +631,29 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if needs_scaling and kwargs.get("auto_scale_loss", True):
             with self.distribute_strategy.scope():
                 hetero.loss_scale = loss_scale_lib.DynamicLossScale()
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """A HeteroModel from `get_config()`'s dict, with its settings.
+
+        `HeteroModel.from_config` of a functional model's config gives the
+        functional HeteroModel with the saved settings (tf-keras' own
+        `from_config` rebuilt it from inputs and outputs alone, dropping
+        them). Other configs go to Keras' `from_config`.
+
+        Args:
+            config: A dict from `get_config()`.
+            custom_objects: As in `keras.Model.from_config`.
+
+        Returns:
+            A HeteroModel.
+        """
+        functional_keys = ("layers", "input_layers", "output_layers")
+        if cls is HeteroModel and all(key in config for key in functional_keys):
+            return _FunctionalHeteroModel.from_config(
+                config, custom_objects=custom_objects
+            )
+        return super().from_config(config, custom_objects=custom_objects)
 
     def compile_from_config(self, config):
         """Compiles the model from `get_compile_config()` (used on load).
@@ -651,10 +765,22 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         undo = callbacks_base.prepare_fit(
             self, dataset, kwargs.get("callbacks"), kwargs
         )
+        local = self._local_training() if self.built else None
+        if local is not None:
+            # Evaluation, checkpoints and the end of the epoch see the same
+            # weights on every replica: the round ends early there.
+            callbacks = list(kwargs.get("callbacks") or [])
+            kwargs["callbacks"] = [
+                low_communication.SynchroniseAtEpochEnd(local),
+                *callbacks,
+            ]
         try:
-            return super().fit(x, y, *args, **kwargs)
+            history = super().fit(x, y, *args, **kwargs)
         finally:
             undo()
+        if local is not None:
+            local.maybe_synchronise(force=True)
+        return history
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         self._check_strategy("evaluate")
@@ -669,6 +795,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 return logs
             values = list(logs.values())  # loss first, then the metrics
             return values[0] if len(values) == 1 else values
+        local = self._hetero.__dict__.get("local_training")
+        if local is not None:
+            # The replicas' weights differ until the round ends.
+            local.maybe_synchronise(force=True)
         converted = arrays.evaluate_arguments(self, x, y, args, kwargs)
         if converted is not None:
             x, y, args, kwargs = converted.pop("x"), None, (), converted

@@ -466,6 +466,17 @@ def test_subclass_passing_settings_on_keeps_them_in_config():
     assert Passing(3).get_config().get("accumulation_steps", 1) == 1
 
 
+@pytest.mark.parametrize("through", ["HeteroModel", "its class"])
+def test_functional_config_round_trip_keeps_the_settings(through):
+    # tf-keras' `from_config` on the HeteroModel class rebuilt a functional
+    # model from inputs and outputs alone and dropped the settings.
+    model = kh.HeteroModel(*helpers.layers(), accumulation_steps=3)
+    cls = kh.HeteroModel if through == "HeteroModel" else type(model)
+    clone = cls.from_config(model.get_config())
+    assert clone._hetero.accumulation_steps == 3
+    assert clone.get_config() == model.get_config() | {"name": clone.name}
+
+
 def _loss_scale_optimizer(optimizer):
     if kh.FLAVOUR == "tf-keras":
         return keras.mixed_precision.LossScaleOptimizer(optimizer)

@@ -141,6 +141,9 @@ from keras_hetero._compat.training import (
     has_learning_rate_schedule as has_learning_rate_schedule,
 )
 from keras_hetero._compat.training import (
+    is_keras_optimizer as is_keras_optimizer,
+)
+from keras_hetero._compat.training import (
     is_loss_scale_optimizer as is_loss_scale_optimizer,
 )
 from keras_hetero._compat.training import (
@@ -148,6 +151,9 @@ from keras_hetero._compat.training import (
 )
 from keras_hetero._compat.training import (
     metrics_result_from as metrics_result_from,
+)
+from keras_hetero._compat.training import (
+    optimizer_variables as optimizer_variables,
 )
 from keras_hetero._compat.training import (
     skip_optimizer_all_reduce as skip_optimizer_all_reduce,

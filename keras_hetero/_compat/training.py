@@ -182,6 +182,23 @@ def apply_aggregated_gradients(optimizer, grads, variables):
     optimizer.apply_gradients(grads_and_vars)
 
 
+def is_keras_optimizer(value):
+    """A Keras optimizer of this flavour (tf-keras: new or legacy)."""
+    if IS_LEGACY:
+        return isinstance(
+            value,
+            (keras.optimizers.Optimizer, keras.optimizers.legacy.Optimizer),
+        )
+    return isinstance(value, keras.optimizers.Optimizer)
+
+
+def optimizer_variables(optimizer):
+    """The optimizer's variables (a property in Keras 3, a method in
+    tf-keras' legacy optimizers)."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
 def is_loss_scale_optimizer(optimizer):
     if IS_LEGACY:
         return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)

@@ -6,6 +6,7 @@ import tensorflow as tf
 from keras_hetero import precision as precision_lib
 from keras_hetero._checks import check_int
 from keras_hetero.training import aggregation
+from keras_hetero.training import low_communication as low_communication_lib
 
 # `tf.distribute.experimental.CommunicationOptions` is a factory; this is
 # the class of what it returns.
@@ -24,8 +25,21 @@ def split_settings(config):
 def set_settings(model, settings):
     """Gives a model made by Keras' `from_config` the saved settings."""
     settings = {**Settings.DEFAULTS, **settings}
+    settings["low_communication"] = from_config_value(
+        settings["low_communication"]
+    )
     check_options(**settings)
     model._hetero = Settings(**settings)
+
+
+def from_config_value(low_communication):
+    """A `LowCommunication` from its config dict (as a model config holds
+    it); anything else unchanged."""
+    if isinstance(low_communication, dict):
+        return low_communication_lib.LowCommunication.from_config(
+            low_communication
+        )
+    return low_communication
 
 
 class Settings:
@@ -39,6 +53,7 @@ class Settings:
         "pipeline_microbatches": 1,
         "communication": None,
         "global_clipnorm": None,
+        "low_communication": None,
     }
     # CommunicationOptions is not serialisable; it is a run-time choice.
     SERIALISED = tuple(name for name in DEFAULTS if name != "communication")
@@ -51,9 +66,15 @@ class Settings:
         self.loss_scale = None
         self.accumulator = None
         self.parameter_server = None
+        self.local_training = None
 
     def config(self):
-        return {name: self.settings[name] for name in self.SERIALISED}
+        config = {name: self.settings[name] for name in self.SERIALISED}
+        if config["low_communication"] is not None:
+            config["low_communication"] = config[
+                "low_communication"
+            ].get_config()
+        return config
 
 
 def check_options(
@@ -63,6 +84,7 @@ def check_options(
     pipeline_microbatches,
     communication,
     global_clipnorm,
+    low_communication=None,
 ):
     precision_lib.check_precision(precision)
     if gradient_compression not in (None, *aggregation.WIRE_DTYPES):
@@ -94,6 +116,32 @@ def check_options(
             f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
             "or None."
         )
+    if low_communication is None:
+        return
+    if not isinstance(
+        low_communication, low_communication_lib.LowCommunication
+    ):
+        raise TypeError(
+            "Invalid value for argument `low_communication`. Received: "
+            f"low_communication={low_communication!r}. Expected a "
+            "`kh.LowCommunication` or None."
+        )
+    for name, value, default in (
+        ("accumulation_steps", accumulation_steps, 1),
+        ("gradient_compression", gradient_compression, None),
+    ):
+        if value != default:
+            raise ValueError(
+                f"`low_communication` and `{name}={value!r}` do not combine: "
+                "between synchronisations there is no gradient collective to "
+                f"{'accumulate for' if default == 1 else 'compress'}. "
+                + (
+                    "Use `LowCommunication(compression=...)` for the "
+                    "pseudo-gradient."
+                    if default is None
+                    else "Raise `sync_every` instead."
+                )
+            )
 
 
 class SettingsInConfig:

@@ -94,8 +94,9 @@ class TelemetrySource:
         """Starts a new series (at the start of `fit`)."""
         raise NotImplementedError
 
-    def record(self, gathered_stats):
-        """Adds one step's gathered stats (inside the replica step)."""
+    def record(self, gathered_stats, steps=None):
+        """Adds gathered stats covering `steps` steps (default one; inside
+        the replica step)."""
         raise NotImplementedError
 
     def snapshot(self):
@@ -129,13 +130,20 @@ class Telemetry(TelemetrySource):
             )
         self.reset()
 
-    def record(self, gathered_stats):
-        """Adds one step's gathered stats (call inside the replica step)."""
+    def record(self, gathered_stats, steps=None):
+        """Adds gathered stats (call inside the replica step).
+
+        Args:
+            gathered_stats: `[rows_0..R-1, seconds_0..R-1]` of all replicas.
+            steps: The steps they cover (float64); defaults to one.
+        """
+        steps = (
+            tf.ones([1], tf.float64)
+            if steps is None
+            else tf.reshape(steps, [1])
+        )
         self.totals.assign_add(
-            tf.concat(
-                [tf.ones([1], tf.float64), tf.cast(gathered_stats, tf.float64)],
-                axis=0,
-            )
+            tf.concat([steps, tf.cast(gathered_stats, tf.float64)], axis=0)
         )
 
     def snapshot(self):
@@ -243,6 +251,6 @@ class WorkerTelemetry(TelemetrySource):
     def snapshot(self):
         """Nothing to do: the runner calls `add` at every batch end."""
 
-    def record(self, gathered_stats):
+    def record(self, gathered_stats, steps=None):
         """Nothing to do in the step: the runner times each closure on its
         worker and calls `add` with the results."""

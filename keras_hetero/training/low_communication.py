@@ -1,0 +1,343 @@
+"""Low-communication training: DiLoCo-style local steps, an outer optimizer.
+
+Between two synchronisations every replica (under MultiWorkerMirroredStrategy
+one per worker) trains alone: its step computes the gradients of its own
+rows and applies them to its own copy of the weights with the compiled
+(inner) optimizer, whose state stays local. No collective runs in those
+steps. Every `sync_every` steps all replicas meet once:
+
+    pseudo_gradient = sum_i rows_i * (anchor - weights_i) / sum_i rows_i
+
+(`rows_i`: the rows replica i trained since the last synchronisation), the
+outer optimizer applies it to the anchor (the weights at the last
+synchronisation) and every replica continues from the result. With
+`sync_every=1`, plain SGD inside and `SGD(learning_rate=1.0)` outside, this
+is synchronous data-parallel training, step for step.
+
+The inner steps update each replica's component of the distributed
+variables directly (the optimizer applies per-replica gradients without an
+all-reduce, as HeteroModel's synchronous step does with aggregated ones),
+so the components differ until the next synchronisation.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero._checks import check_int
+from keras_hetero._compat import keras
+
+# The wire format of the pseudo-gradient: the dtype it is summed in.
+WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
+COMPRESSIONS = (None, "fp16", "bf16", "int8")
+
+
+class LowCommunication:
+    """Local steps with periodic averaging and an outer optimizer.
+
+    Give it to `kh.HeteroModel(low_communication=...)`. Each replica (one
+    per worker under MultiWorkerMirroredStrategy) runs `sync_every` steps on
+    its own rows with the compiled optimizer and no gradient collective;
+    then the replicas all-reduce the pseudo-gradient (the weights at the
+    last synchronisation minus their own, weighted by the rows each
+    trained) and `outer_optimizer` applies it. See
+    docs/low-communication.md.
+
+    Args:
+        sync_every: Steps between synchronisations, a positive int. With
+            `steps_per_execution=k` a multiple of k.
+        outer_optimizer: A Keras optimizer for the outer step, or None for
+            DiLoCo's `SGD(learning_rate=0.7, momentum=0.9, nesterov=True)`.
+            Each model gets its own copy (from the optimizer's config).
+        compression: The pseudo-gradient on the wire: None (its own dtype),
+            `"fp16"`, `"bf16"`, or `"int8"` (a per-tensor scale, gathered
+            from every replica and summed locally).
+
+    Raises:
+        ValueError: For a `sync_every` that is not a positive int, or an
+            unknown `compression`.
+        TypeError: For an `outer_optimizer` that is not a Keras optimizer.
+
+    Example:
+
+    >>> import keras_hetero as kh
+    >>> mode = kh.LowCommunication(sync_every=50, compression="bf16")
+    >>> inputs = kh.keras.Input((4,))
+    >>> model = kh.HeteroModel(
+    ...     inputs, kh.keras.layers.Dense(1)(inputs), low_communication=mode
+    ... )
+    """
+
+    def __init__(self, sync_every, outer_optimizer=None, compression=None):
+        self.sync_every = check_int("sync_every", sync_every)
+        if compression not in COMPRESSIONS:
+            raise ValueError(
+                "Invalid value for argument `compression`. Received: "
+                f'compression={compression!r}. Expected None, "fp16", '
+                '"bf16" or "int8".'
+            )
+        self.compression = compression
+        if outer_optimizer is None:
+            outer_optimizer = keras.optimizers.SGD(
+                learning_rate=0.7, momentum=0.9, nesterov=True
+            )
+        if not _compat.is_keras_optimizer(outer_optimizer):
+            raise TypeError(
+                "Invalid value for argument `outer_optimizer`. Received: "
+                f"outer_optimizer={outer_optimizer!r}. Expected a Keras "
+                "optimizer (e.g. `keras.optimizers.SGD(0.7, momentum=0.9, "
+                "nesterov=True)`) or None."
+            )
+        self.outer_config = keras.optimizers.serialize(outer_optimizer)
+
+    def outer_optimizer(self):
+        """A new outer optimizer from the stored config."""
+        return keras.optimizers.deserialize(self.outer_config)
+
+    def get_config(self):
+        """The arguments, JSON-serialisable (they ride in a model's config).
+
+        Returns:
+            A dict for `from_config`.
+        """
+        return {
+            "sync_every": self.sync_every,
+            "outer_optimizer": self.outer_config,
+            "compression": self.compression,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """The `LowCommunication` of `get_config()`'s dict.
+
+        Args:
+            config: A dict from `get_config`.
+
+        Returns:
+            A `LowCommunication`.
+        """
+        config = dict(config)
+        outer = keras.optimizers.deserialize(config.pop("outer_optimizer"))
+        return cls(outer_optimizer=outer, **config)
+
+    def __repr__(self):
+        return (
+            f"LowCommunication(sync_every={self.sync_every}, outer_optimizer="
+            f"{self.outer_config.get('class_name')}, compression="
+            f"{self.compression!r})"
+        )
+
+
+def check_strategy(strategy):
+    """Refuses strategies whose variables have no per-replica copies."""
+    if _distribute.is_parameter_server(strategy) or isinstance(
+        strategy, tf.distribute.experimental.CentralStorageStrategy
+    ):
+        raise ValueError(
+            "`low_communication` needs a copy of the weights per replica "
+            f"(MultiWorkerMirroredStrategy, MirroredStrategy, one device); "
+            f"{type(strategy).__name__} keeps one shared copy. Its replicas "
+            "cannot train apart between synchronisations."
+        )
+
+
+class LocalTraining:
+    """The state of low-communication training; create in the scope.
+
+    Args:
+        model: The HeteroModel (built, compiled).
+        mode: Its `LowCommunication`.
+    """
+
+    def __init__(self, model, mode):
+        self.model = model
+        self.mode = mode
+        self.sync_every = mode.sync_every
+        strategy = model.distribute_strategy
+        self.num_replicas = strategy.num_replicas_in_sync
+        weights = model.trainable_variables
+        local = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        with strategy.scope():
+            # The weights at the last synchronisation (identical everywhere).
+            self.anchors = [
+                tf.Variable(
+                    tf.convert_to_tensor(v),
+                    trainable=False,
+                    name=f"low_communication_anchor_{index}",
+                )
+                for index, v in enumerate(weights)
+            ]
+            # Rows this replica trained since the last synchronisation, and
+            # its inner steps (local: no collective in the inner steps).
+            self.rows = tf.Variable(0.0, name="low_communication_rows", **local)
+            self.steps = tf.Variable(
+                0, dtype=tf.int64, name="low_communication_steps", **local
+            )
+            # [rows_0..R-1, seconds_0..R-1] of the replicas since then.
+            self.round_stats = tf.Variable(
+                tf.zeros([2 * self.num_replicas], tf.float32),
+                name="low_communication_round_stats",
+                **local,
+            )
+            self.synchronisations = tf.Variable(
+                0, dtype=tf.int64, name="low_communication_synchronisations"
+            )
+            self.outer = mode.outer_optimizer()
+            self.outer.build(weights)
+        _compat.skip_optimizer_all_reduce(self.outer, strategy)
+        self._sync_function = None
+        self.wire_bytes = 0
+
+    @property
+    def variables(self):
+        """What a checkpoint must hold besides the model and its optimizer."""
+        return [
+            *self.anchors,
+            self.rows,
+            self.steps,
+            self.round_stats,
+            self.synchronisations,
+            *_compat.optimizer_variables(self.outer),
+        ]
+
+    # --- inside the replica step ------------------------------------------
+
+    def record(self, rows, stats):
+        """Adds this replica's step to the round's counts (no collective)."""
+        return [
+            self.rows.assign_add(tf.cast(rows, tf.float32)),
+            self.steps.assign_add(1),
+            self.round_stats.assign_add(stats),
+        ]
+
+    # --- between train-function calls ---------------------------------------
+
+    def pending_steps(self):
+        """Inner steps since the last synchronisation (a host read of the
+        first local copy; all replicas count the same steps)."""
+        return int(self.steps.numpy())
+
+    def maybe_synchronise(self, force=False):
+        """Synchronises after `sync_every` inner steps (or any, if `force`).
+
+        Returns:
+            True if it synchronised.
+        """
+        pending = self.pending_steps()
+        if pending == 0 or (pending < self.sync_every and not force):
+            return False
+        if self._sync_function is None:
+            self._sync_function = tf.function(self._synchronise)
+        self._sync_function()
+        return True
+
+    def _synchronise(self):
+        strategy = self.model.distribute_strategy
+        weights = self.model.trainable_variables
+        pseudo = strategy.run(self._replica_pseudo_gradients)
+        # Every replica continues from the anchor, the outer optimizer moves
+        # it by the pseudo-gradient, and the result is the new anchor.
+        for weight, anchor in zip(weights, self.anchors):
+            weight.assign(anchor.read_value())
+        strategy.run(self._apply_outer, args=(pseudo,))
+        for weight, anchor in zip(weights, self.anchors):
+            anchor.assign(tf.convert_to_tensor(weight))
+        self.rows.assign(0.0)
+        self.steps.assign(0)
+        self.round_stats.assign(tf.zeros_like(self.round_stats))
+        self.synchronisations.assign_add(1)
+
+    def _replica_pseudo_gradients(self):
+        weights = self.model.trainable_variables
+        rows = tf.identity(self.rows)
+        deltas = [
+            tf.cast(anchor, tf.float32) - tf.cast(weight, tf.float32)
+            for anchor, weight in zip(self.anchors, weights)
+        ]
+        context = tf.distribute.get_replica_context()
+        # One collective for the rows and the round's telemetry, then the
+        # deltas weighted by each replica's share of the rows (bounded by the
+        # largest delta, so fp16 does not overflow whatever the rows).
+        head = context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.concat([tf.reshape(rows, [1]), self.round_stats], axis=0),
+        )
+        telemetry = self.model._hetero.telemetry
+        if telemetry is not None:
+            # The round's steps, every replica's rows and seconds.
+            telemetry.record(head[1:], steps=tf.cast(self.steps, tf.float64))
+        share = tf.math.divide_no_nan(rows, head[0])
+        pseudo = self._sum(context, [delta * share for delta in deltas])
+        return [tf.cast(p, w.dtype) for p, w in zip(pseudo, weights)]
+
+    def _sum(self, context, tensors):
+        compression = self.mode.compression
+        if compression is None:
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+        if compression in WIRE_DTYPES:
+            wire = WIRE_DTYPES[compression]
+            sums = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, [tf.cast(t, wire) for t in tensors]
+            )
+            return [tf.cast(s, tf.float32) for s in sums]
+        return _int8_sum(context, tensors)
+
+    def _apply_outer(self, pseudo):
+        _compat.apply_aggregated_gradients(
+            self.outer, list(pseudo), self.model.trainable_variables
+        )
+
+
+def _int8_sum(context, tensors):
+    """SUM across replicas of int8-quantised tensors (per-tensor scale).
+
+    Each replica sends `round(t / scale)` as int8 with its float32 `scale`
+    (`max|t| / 127`); the values and scales of all replicas are gathered
+    and summed locally (a SUM of int8 values would overflow). TensorFlow's
+    collectives gather no int8 (allowed: float16/32/64, int32/64), so four
+    int8 values travel bitcast as one int32.
+    """
+    sums = []
+    for tensor in tensors:
+        scale = tf.reduce_max(tf.abs(tensor)) / 127.0
+        quantised = tf.cast(
+            tf.round(tf.math.divide_no_nan(tensor, scale)), tf.int8
+        )
+        flat = tf.reshape(quantised, [-1])
+        size = tf.size(flat)
+        padded = tf.pad(flat, [[0, (-size) % 4]])
+        words = tf.bitcast(tf.reshape(padded, [-1, 4]), tf.int32)
+        gathered = context.all_gather(tf.expand_dims(words, 0), axis=0)
+        scales = context.all_gather(tf.reshape(scale, [1]), axis=0)
+        values = tf.reshape(
+            tf.bitcast(gathered, tf.int8), [tf.shape(gathered)[0], -1]
+        )
+        values = tf.cast(values[:, :size], tf.float32) * scales[:, None]
+        sums.append(tf.reshape(tf.reduce_sum(values, 0), tf.shape(tensor)))
+    return sums
+
+
+def wire_bytes_per_synchronisation(variables, compression=None):
+    """Bytes one replica sends per synchronisation (the pseudo-gradient)."""
+    itemsize = {None: 4, "fp16": 2, "bf16": 2, "int8": 1}[compression]
+    return int(sum(np.prod(v.shape) for v in variables) * itemsize)
+
+
+class SynchroniseAtEpochEnd(keras.callbacks.Callback):
+    """Ends the round at each epoch end, before the user's callbacks (and
+    before validation, which `HeteroModel.evaluate` synchronises for)."""
+
+    def __init__(self, local):
+        super().__init__()
+        self.local = local
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.local.maybe_synchronise(force=True):
+            telemetry = self.local.model._hetero.telemetry
+            if telemetry is not None:
+                telemetry.snapshot()
