@@ -570,10 +570,11 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
         def train_function(iterator):
             logs = function(iterator)
-            if local is None or local.maybe_synchronise():
-                # Low-communication: the telemetry of a round arrives with
-                # its synchronisation.
-                hetero.telemetry.snapshot()
+            if local is not None:
+                # Low-communication: a round's telemetry arrives with its
+                # synchronisation; the calls before it cover no steps.
+                local.maybe_synchronise()
+            hetero.telemetry.snapshot()
             return logs
 
         self.train_function = train_function

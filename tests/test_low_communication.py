@@ -305,3 +305,41 @@ def test_float16_loss_scaling_is_refused():
         keras.mixed_precision.set_global_policy(policy)
     with pytest.raises(ValueError, match="mixed_bfloat16"):
         model.fit(np.zeros((8, helpers.FEATURES)), np.zeros((8, 1)), verbose=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "num_workers, shares, sync_every, spe",
+    [
+        (2, [0.75, 0.25], 1, 1),
+        (2, [0.75, 0.25], 3, 1),
+        (3, [0.5, 0.3, 0.2], 2, 2),
+    ],
+    ids=["2w-sync_every_1", "2w-sync_every_3", "3w-sync_every_2-spe_2"],
+)
+def test_multi_worker_processes_match_the_algorithm(
+    num_workers, shares, sync_every, spe
+):
+    import workers_lib
+
+    anchor = sync_every == 1
+    results = kh.testing.run_workers(
+        workers_lib.low_communication_mwms,
+        num_workers,
+        timeout=300,
+        args=(shares, sync_every, anchor, spe),
+    )
+    if anchor:  # outer SGD(1.0) after one local step: synchronous training
+        expected = helpers.reference_fit()[0].get_weights()
+    else:
+        expected = _diloco_reference(sync_every, shares=shares)
+    rounds_per_epoch = -(-5 // sync_every)  # 5 batches; the epoch ends one
+    for result in results:
+        value = result.value
+        helpers.assert_weights_close(value["weights"], expected, rtol=1e-4)
+        assert value["synchronisations"] == 2 * rounds_per_epoch
+        # The last round's rows, of every worker, on every worker.
+        last_round = 5 - sync_every * (rounds_per_epoch - 1)
+        assert value["steps"] == last_round
+    evaluations = [r.value["evaluation"]["loss"] for r in results]
+    assert evaluations == pytest.approx([evaluations[0]] * num_workers)

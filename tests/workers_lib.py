@@ -332,3 +332,47 @@ def arrays_mwms(rows):
             )
     result["shard_steps"] = local
     return result
+
+
+def low_communication_mwms(shares, sync_every, outer_sgd_1=False, spe=1):
+    """Low-communication training under MultiWorkerMirrored (one replica per
+    worker): the weights, evaluation and the round telemetry."""
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    outer = keras.optimizers.SGD(1.0) if outer_sgd_1 else None
+    mode = kh.LowCommunication(sync_every, outer_optimizer=outer)
+    with strategy.scope():
+        model = kh.HeteroModel(*helpers.layers(), low_communication=mode)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss="mse",
+            metrics=["mae"],
+            steps_per_execution=spe,
+        )
+        model.set_weights(helpers.initial_weights())
+
+    def data():
+        return kh.data.shard(
+            helpers.examples(),
+            helpers.GLOBAL_BATCH,
+            strategy=strategy,
+            shares=shares,
+        )
+
+    model.fit(data(), epochs=2, verbose=0)
+    stats = model.step_stats
+    evaluation = model.evaluate(data(), return_dict=True, verbose=0)
+    return {
+        "weights": model.get_weights(),
+        "evaluation": evaluation,
+        "rows": stats.rows,
+        "steps": stats.steps,
+        "synchronisations": int(
+            model._local_training().synchronisations.numpy()
+        ),
+    }

@@ -174,7 +174,9 @@ class ShardRebalancer(base.HeteroCallback):
 
     def on_train_batch_end(self, batch, logs=None):
         stats = getattr(self.model, "step_stats", None)
-        if stats is None or self.dataset is None:
+        if stats is None or self.dataset is None or stats.steps == 0:
+            # steps == 0: low-communication training between synchronisations
+            # (a round's numbers arrive with its synchronisation).
             return
         self._track_pass(stats.steps)
         self._steps += stats.steps

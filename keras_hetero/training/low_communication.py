@@ -338,6 +338,9 @@ class SynchroniseAtEpochEnd(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self.local.maybe_synchronise(force=True):
+            # The round's numbers belong to this epoch (a rebalancer counts
+            # batches per pass of the input); callbacks after this one see
+            # them at `on_epoch_end`, the next batch starts from zero.
             telemetry = self.local.model._hetero.telemetry
             if telemetry is not None:
                 telemetry.snapshot()
