@@ -157,7 +157,7 @@ class _ReplicaWeights(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        self.agree = []
+        self.agree, self.stats = [], []
 
     def on_train_batch_end(self, batch, logs=None):
         weight = self.model.trainable_variables[0]
@@ -167,6 +167,8 @@ class _ReplicaWeights(keras.callbacks.Callback):
             v.numpy() for v in strategy.experimental_local_results(weight)
         ]
         self.agree.append(np.allclose(copies[0], copies[1]))
+        if batch is not None:
+            self.stats.append(self.model.step_stats)
 
 
 def test_replicas_train_apart_between_synchronisations_without_collectives(
@@ -205,9 +207,18 @@ def test_replicas_train_apart_between_synchronisations_without_collectives(
     in_step = {name for name, sync in calls if not sync}
     assert in_step == {"merge_call"}
     assert ("all_reduce", True) in calls
+    # The epoch's last round (steps 4 and 5), synchronised at its end.
     stats = model.step_stats
-    assert stats.steps == 2
-    assert stats.rows.tolist() == [12 + 6, 4 + 2]  # the last round
+    assert (stats.steps, stats.measured_steps) == (0, 2)
+    assert stats.rows.tolist() == [12 + 6, 4 + 2]
+    assert [(s.steps, s.measured_steps) for s in watch.stats] == [
+        (1, 0),
+        (1, 0),
+        (1, 3),
+        (1, 0),
+        (1, 0),
+    ]
+    assert watch.stats[2].rows.tolist() == [12 * 3, 4 * 3]
 
 
 @pytest.mark.parametrize(

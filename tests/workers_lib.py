@@ -371,7 +371,7 @@ def low_communication_mwms(shares, sync_every, outer_sgd_1=False, spe=1):
         "weights": model.get_weights(),
         "evaluation": evaluation,
         "rows": stats.rows,
-        "steps": stats.steps,
+        "steps": stats.measured_steps,
         "synchronisations": int(
             model._local_training().synchronisations.numpy()
         ),

@@ -174,16 +174,16 @@ class ShardRebalancer(base.HeteroCallback):
 
     def on_train_batch_end(self, batch, logs=None):
         stats = getattr(self.model, "step_stats", None)
-        if stats is None or self.dataset is None or stats.steps == 0:
-            # steps == 0: low-communication training between synchronisations
-            # (a round's numbers arrive with its synchronisation).
+        if stats is None or self.dataset is None:
             return
         self._track_pass(stats.steps)
         self._steps += stats.steps
-        if self._steps <= self.warmup_steps:
+        if self._steps <= self.warmup_steps or not stats.measured_steps:
+            # measured_steps == 0: low-communication training before a
+            # synchronisation (a round's numbers arrive with it).
             return
         self._speeds = self._speeds.add(stats.rows, stats.compute_seconds)
-        self._since_decision += stats.steps
+        self._since_decision += stats.measured_steps
         if self._since_decision < self.every_n_steps:
             return
         self.rebalance_now()

@@ -69,7 +69,7 @@ class RunReport(_sources.Observer):
         now = time.perf_counter()
         last, self._last_end = self._last_end, now
         stats = getattr(self.model, "step_stats", None)
-        if not self._chief or stats is None or stats.steps == 0:
+        if not self._chief or stats is None or stats.measured_steps == 0:
             return
         self._sources.poll(stats.step)
         self._last_step = stats.step
@@ -77,8 +77,8 @@ class RunReport(_sources.Observer):
         if self._seen % self.every_n_steps:
             return
         self._steps.append(stats.step)
-        self._rows.append(stats.rows / stats.steps)
-        self._seconds.append(stats.compute_seconds / stats.steps)
+        self._rows.append(stats.rows / stats.measured_steps)
+        self._seconds.append(stats.compute_seconds / stats.measured_steps)
         wall = np.nan if last is None else (now - last) / stats.steps
         self._wall.append(wall)
         self._devices = stats.devices

@@ -98,7 +98,7 @@ class HeteroTensorBoard(_sources.Observer):
     def _write(self):
         self._since_write = 0
         stats = getattr(self.model, "step_stats", None)
-        if stats is None or stats.steps == 0:
+        if stats is None or stats.measured_steps == 0:
             return
         self._writer.write(stats.step, replica_scalars(stats))
         self._writer.write(stats.step, self._sources.scalars())
@@ -136,7 +136,7 @@ def replica_scalars(stats):
         `{"rows/replica_<i>": ..., "compute_seconds/replica_<i>": ...,
         "seconds_per_row/replica_<i>": ..., "share/replica_<i>": ...}`.
     """
-    steps = max(stats.steps, 1)
+    steps = max(stats.measured_steps, 1)
     rows = np.asarray(stats.rows, np.float64) / steps
     seconds = np.asarray(stats.compute_seconds, np.float64) / steps
     shares = rows / max(rows.sum(), 1.0)

@@ -231,12 +231,16 @@ class StragglerDetector(base.HeteroCallback):
             self._watchdog.step_started(self._steps + 1)
 
     def on_train_batch_end(self, batch, logs=None):
-        rows, seconds, steps, devices = self._observation()
+        rows, seconds, steps, measured, devices = self._observation()
         if steps == 0:  # ParameterServerStrategy: no step finished yet
             return
         self._steps += steps
         if self._watchdog is not None:
             self._watchdog.step_finished(self._steps)
+        if not measured:
+            # Low-communication training before a synchronisation: the
+            # round's numbers arrive with it.
+            return
         if self._scorer is None:
             self._scorer = straggler.Scorer(len(rows), self.window)
         # Also after `set_state`, which restores the scorer only.
@@ -265,12 +269,19 @@ class StragglerDetector(base.HeteroCallback):
     def _observation(self):
         stats = getattr(self.model, "step_stats", None)
         if stats is not None:
-            return stats.rows, stats.compute_seconds, stats.steps, stats.devices
+            return (
+                stats.rows,
+                stats.compute_seconds,
+                stats.steps,
+                stats.measured_steps,
+                stats.devices,
+            )
         # Plain keras.Model: this worker's wall time per batch, one "row".
         seconds = time.perf_counter() - (self._batch_start or 0.0)
         return (
             np.array([1]),
             np.array([seconds]),
+            1,
             1,
             [_distribute.env_task().device_job],
         )

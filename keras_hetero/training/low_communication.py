@@ -209,11 +209,15 @@ class LocalTraining:
 
     def record(self, rows, stats):
         """Adds this replica's step to the round's counts (no collective)."""
-        return [
+        updates = [
             self.rows.assign_add(tf.cast(rows, tf.float32)),
             self.steps.assign_add(1),
             self.round_stats.assign_add(stats),
         ]
+        telemetry = self.model._hetero.telemetry
+        if telemetry is not None:
+            updates.append(telemetry.count_step())
+        return updates
 
     # --- between train-function calls ---------------------------------------
 

@@ -25,11 +25,15 @@ class StepStats:
     Attributes:
         step: Train steps completed by this model so far, the covered ones
             included.
-        steps: How many steps these numbers cover.
+        steps: How many train steps the last call(s) ran.
         rows: Rows each global replica processed, in global replica order.
         compute_seconds: Seconds from each replica's step start until its
-            gradients were ready, summed over the covered steps.
+            gradients were ready, summed over the measured steps.
         devices: The device of each global replica.
+        measured_steps: How many steps `rows` and `compute_seconds` cover:
+            `steps`, except under low-communication training
+            (`kh.LowCommunication`), where a round's numbers arrive with its
+            synchronisation: 0 before it, the round's steps at it.
     """
 
     step: int
@@ -37,6 +41,11 @@ class StepStats:
     rows: np.ndarray
     compute_seconds: np.ndarray
     devices: list
+    measured_steps: int = None
+
+    def __post_init__(self):
+        if self.measured_steps is None:
+            object.__setattr__(self, "measured_steps", self.steps)
 
     @property
     def seconds_per_row(self):
@@ -111,8 +120,9 @@ class TelemetrySource:
 class Telemetry(TelemetrySource):
     """Holds the running totals variable and turns it into `StepStats`.
 
-    The variable is `[steps, rows_0..rows_R-1, seconds_0..seconds_R-1]`,
-    summed over all steps so far. It is ON_READ with ONLY_FIRST_REPLICA: each
+    The variable is `[steps, measured steps, rows_0..rows_R-1,
+    seconds_0..seconds_R-1]`, summed over all steps so far. It is ON_READ
+    with ONLY_FIRST_REPLICA: each
     replica adds the same all-reduced numbers locally (no merge, no extra
     collective) and a read takes the first copy.
     """
@@ -122,7 +132,7 @@ class Telemetry(TelemetrySource):
         self.devices = list(devices)
         with strategy.scope():
             self.totals = tf.Variable(
-                tf.zeros([1 + 2 * self.num_replicas], tf.float64),
+                tf.zeros([2 + 2 * self.num_replicas], tf.float64),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -131,19 +141,28 @@ class Telemetry(TelemetrySource):
         self.reset()
 
     def record(self, gathered_stats, steps=None):
-        """Adds gathered stats (call inside the replica step).
+        """Adds one step and its gathered stats (inside the replica step).
 
         Args:
             gathered_stats: `[rows_0..R-1, seconds_0..R-1]` of all replicas.
-            steps: The steps they cover (float64); defaults to one.
+            steps: Low-communication training: the steps these stats cover
+                (a float64 tensor), recorded at a synchronisation, whose
+                steps `count_step` counted. Defaults to this one step.
         """
-        steps = (
-            tf.ones([1], tf.float64)
+        counts = (
+            tf.ones([2], tf.float64)
             if steps is None
-            else tf.reshape(steps, [1])
+            else tf.stack([tf.zeros([], tf.float64), steps])
         )
         self.totals.assign_add(
-            tf.concat([steps, tf.cast(gathered_stats, tf.float64)], axis=0)
+            tf.concat([counts, tf.cast(gathered_stats, tf.float64)], axis=0)
+        )
+
+    def count_step(self):
+        """Counts one step whose stats come later (low-communication:
+        at the next synchronisation); no collective."""
+        return self.totals.assign_add(
+            tf.one_hot(0, 2 + 2 * self.num_replicas, dtype=tf.float64)
         )
 
     def snapshot(self):
@@ -183,9 +202,10 @@ class Telemetry(TelemetrySource):
         return StepStats(
             step=int(current[0]),
             steps=int(delta[0]),
-            rows=np.rint(delta[1 : 1 + replicas]).astype(np.int64),
-            compute_seconds=delta[1 + replicas :],
+            rows=np.rint(delta[2 : 2 + replicas]).astype(np.int64),
+            compute_seconds=delta[2 + replicas :],
             devices=list(self.devices),
+            measured_steps=int(delta[1]),
         )
 
 
