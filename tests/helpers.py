@@ -123,10 +123,17 @@ class RecordIds(keras.layers.Layer):
         return x + zero
 
 
-def id_model(seen, seconds_per_row, steps_per_execution=1, augment=()):
+def id_model(
+    seen,
+    seconds_per_row,
+    steps_per_execution=1,
+    augment=(),
+    momentum=0.0,
+    **kwargs,
+):
     """A HeteroModel over {"x", "id"} inputs that records the ids it trains
     on; build inside the strategy scope. `augment`: layers applied to x
-    first (random augmentation)."""
+    first (random augmentation); `kwargs`: HeteroModel's."""
     x_in = keras.Input((FEATURES,), name="x")
     id_in = keras.Input((), dtype="int64", name="id")
     features = x_in
@@ -135,10 +142,10 @@ def id_model(seen, seconds_per_row, steps_per_execution=1, augment=()):
     slow = kh.testing.SimulatedSpeed(seconds_per_row)(features)
     recorded = RecordIds(seen)([slow, id_in])
     model = kh.HeteroModel(
-        {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded)
+        {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded), **kwargs
     )
     model.compile(
-        optimizer=keras.optimizers.SGD(0.05),
+        optimizer=keras.optimizers.SGD(0.05, momentum=momentum),
         loss="mse",
         steps_per_execution=steps_per_execution,
     )

@@ -554,3 +554,34 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_low_communication_killed_mid_round_resumes_exactly(tmp_path):
+    # Rounds of 3 steps (and the epoch's end, after 10): kills mid-round
+    # (step 5), right after a synchronisation (step 13) and at an epoch's
+    # end (step 20). Inner SGD with momentum: each worker's optimizer
+    # state is its own, and is restored per worker.
+    kind, faults = "shard", "5,13,20"
+    data_dir = str(tmp_path / "data")
+    elastic_inputs.write_files(kind, data_dir)
+    low = ["--sync-every", "3", "--save-every", "1", "--sync-save"]
+    out, _, committed, restored = _run_killed(tmp_path, kind, faults, low)
+    # Resumes start at round boundaries.
+    boundaries = {0, 3, 6, 9, 10, 13, 16, 19, 20, 23, 26, 29, 30}
+    assert set(restored[1:]) <= boundaries, restored
+    plain_out, plain_ckpt = str(tmp_path / "plain"), str(tmp_path / "plain-c")
+    result, log = _launch(
+        plain_out,
+        plain_ckpt,
+        2,
+        ["--input", kind, "--data-dir", data_dir, "--epochs", str(EPOCHS)]
+        + low,
+        max_restarts=0,
+    )
+    assert result.exit_code == 0, log[-4000:]
+    _assert_same_batches(committed, _records(plain_out, 0))
+    final = _load(
+        os.path.join(out, f"attempt{len(faults.split(','))}-worker0-final.npz")
+    )
+    uninterrupted = _load(os.path.join(plain_out, "attempt0-worker0-final.npz"))
+    helpers.assert_weights_close(final, uninterrupted)

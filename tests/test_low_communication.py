@@ -189,10 +189,10 @@ def test_replicas_train_apart_between_synchronisations_without_collectives(
     local = model._local_training()
     synchronise = local._synchronise
 
-    def marked():
+    def marked(*args):
         synchronising[0] = True
         try:
-            return synchronise()
+            return synchronise(*args)
         finally:
             synchronising[0] = False
 

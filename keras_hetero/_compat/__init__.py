@@ -132,6 +132,9 @@ from keras_hetero._compat.training import (
     atomic_variable_updates as atomic_variable_updates,
 )
 from keras_hetero._compat.training import (
+    distributed_variable as distributed_variable,
+)
+from keras_hetero._compat.training import (
     first_local_values as first_local_values,
 )
 from keras_hetero._compat.training import (

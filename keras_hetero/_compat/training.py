@@ -199,6 +199,12 @@ def optimizer_variables(optimizer):
     return list(variables() if callable(variables) else variables)
 
 
+def distributed_variable(variable):
+    """The `tf.Variable` (distributed under a strategy) behind a Keras 3
+    variable (`KerasVariable._value`); a tf-keras variable is one."""
+    return getattr(variable, "_value", variable)
+
+
 def is_loss_scale_optimizer(optimizer):
     if IS_LEGACY:
         return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)

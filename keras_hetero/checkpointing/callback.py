@@ -333,6 +333,9 @@ class ElasticCheckpoint(base.HeteroCallback):
         arrays = checkpointing.read_arrays(path, state["tensors"])
         for variable, array in zip(variables, arrays):
             variable.assign(array)
+        self._restore_replica_state(
+            model, path, state, arrays[len(variables) :]
+        )
         dataset = self._dataset
         old_batch = state["global_batch_size"]
         new_batch = dataset.global_batch_size
@@ -398,6 +401,33 @@ class ElasticCheckpoint(base.HeteroCallback):
             kwargs["initial_epoch"], kwargs["initial_step"] = epoch, step
             return lambda: None
         return _compat.set_initial_step(model, epoch, step, kwargs)
+
+    def _restore_replica_state(self, model, path, state, replica_arrays):
+        local = _local_training(model)
+        if local is None and not replica_arrays:
+            return
+        if local is None or not replica_arrays:
+            logger.warning(
+                "ElasticCheckpoint: %s was written %s low-communication "
+                "training and is restored %s it; the inner optimizers start "
+                "from the saved (first replica's) state.",
+                path,
+                "with" if replica_arrays else "without",
+                "without" if local is None else "with",
+            )
+            return
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        if replica_arrays[0].shape[0] != replicas:
+            logger.warning(
+                "ElasticCheckpoint: %s holds the inner optimizer state of %d "
+                "replicas; with %d replicas each starts from the first "
+                "replica's (resuming is not exact).",
+                path,
+                replica_arrays[0].shape[0],
+                replicas,
+            )
+            return
+        local.restore_replica_state(replica_arrays)
 
     def _resize_batch(self, model, path, state, old_batch, new_batch):
         if self.resize != "scale_learning_rate":
@@ -486,6 +516,10 @@ class ElasticCheckpoint(base.HeteroCallback):
             self._dataset.global_batch_size or 0
         )
         self._since_save += steps
+        local = _local_training(self.model)
+        if local is not None:
+            self._low_communication_batch_end(local)
+            return
         if self._stop_requested:
             self.preempted = True
             self.save_now()
@@ -493,6 +527,40 @@ class ElasticCheckpoint(base.HeteroCallback):
             return
         if self._chief and self.save_due():
             self._save(wait=not self.async_save)
+
+    def _low_communication_batch_end(self, local):
+        """Under low-communication training a checkpoint is taken right
+        after a synchronisation: the chief asks (the request travels in the
+        next synchronisation's collective), and then every worker gathers
+        the state that differs between replicas (the inner optimizer's) for
+        the chief to save. A signal mid-round stops without saving: the
+        newest checkpoint is at a round boundary, and the steps since are
+        trained again (their effect on the shared weights was not yet
+        made, so nothing is lost or applied twice)."""
+        self._save_if_agreed(local)
+        if self._stop_requested:
+            self.preempted = True
+            self.model.stop_training = True
+            logger.warning(
+                "ElasticCheckpoint: stopping without a save (low-communication "
+                "training, mid-round); a restart resumes from the newest "
+                "checkpoint, at a round boundary."
+            )
+            return
+        if self._chief and self.save_due():
+            local.save_requested = True
+
+    def _save_if_agreed(self, local, wait=None):
+        if not local.save_agreed:
+            return
+        local.save_agreed = False
+        replica_state = local.gather_replica_state()  # every worker
+        if self._chief:
+            self._join()
+            self._save(
+                wait=not self.async_save if wait is None else wait,
+                replica_state=replica_state,
+            )
 
     def _steps_of_call(self, batch):
         """Train steps that the call ending now ran: several with
@@ -504,6 +572,9 @@ class ElasticCheckpoint(base.HeteroCallback):
         return self.model.step_stats.steps
 
     def on_epoch_end(self, epoch, logs=None):
+        local = _local_training(self.model)
+        if local is not None:  # the epoch's last round ended just before
+            self._save_if_agreed(local)
         # Keras also ends an epoch that `stop_training` cut short; only a
         # complete one moves the position to the next epoch. Of unknown
         # length, an epoch Keras ends by itself ran out of data: complete.
@@ -513,7 +584,17 @@ class ElasticCheckpoint(base.HeteroCallback):
 
     def on_train_end(self, logs=None):
         self._restore_signal_handlers()
-        if self._since_save and not self.preempted:
+        local = _local_training(self.model)
+        if local is not None and not self.preempted:
+            # Every worker ends here: the round ends, and all of them gather
+            # what the chief saves (whether it saves: only it knows).
+            local.maybe_synchronise(force=True)
+            local.save_agreed = False
+            replica_state = local.gather_replica_state()
+            if self._chief and self._since_save:
+                self._join()
+                self._save(wait=True, replica_state=replica_state)
+        elif self._since_save and not self.preempted:
             self.save_now()
         self._join()
         self._raise_writer_error()
@@ -645,12 +726,17 @@ class ElasticCheckpoint(base.HeteroCallback):
             return None
         return int(first_pass + epoch - first_epoch)
 
-    def _save(self, wait):
+    def _save(self, wait, replica_state=None):
 
         started = time.perf_counter()
         names, variables = _compat.checkpoint_variables(self.model)
         arrays = [np.array(v.numpy()) for v in variables]
         state = self._state(names, variables)
+        if replica_state is not None:
+            # Low-communication training: every replica's own copy of the
+            # inner optimizer's state, after the model's tensors.
+            state["replica_tensors"] = len(replica_state)
+            arrays += replica_state
         step = self._global_step
         self._since_save = 0
         self._last_save_time = time.monotonic()
@@ -800,3 +886,11 @@ def _check_directory(directory, write):
             f"{'written' if write else 'read'} ({error}). Expected a "
             "directory this process can create and write to."
         ) from None
+
+
+def _local_training(model):
+    """The model's low-communication state (`kh.LowCommunication`), or None."""
+    local_training = getattr(model, "_local_training", None)
+    if local_training is None or not getattr(model, "built", False):
+        return None
+    return local_training()

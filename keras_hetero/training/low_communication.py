@@ -191,7 +191,9 @@ class LocalTraining:
             self.outer.build(weights)
         _compat.skip_optimizer_all_reduce(self.outer, strategy)
         self._sync_function = None
-        self.wire_bytes = 0
+        self._gather_function = None
+        self.save_requested = False  # set by ElasticCheckpoint (chief)
+        self.save_agreed = False
 
     @property
     def variables(self):
@@ -237,13 +239,20 @@ class LocalTraining:
             return False
         if self._sync_function is None:
             self._sync_function = tf.function(self._synchronise)
-        self._sync_function()
+        request = tf.constant(1.0 if self.save_requested else 0.0)
+        self.save_requested = False
+        agreed = self._sync_function(request)
+        # Every worker learns in the same collective whether the chief asked
+        # for a checkpoint: all of them then gather the per-replica state.
+        self.save_agreed = bool(agreed.numpy() > 0)
         return True
 
-    def _synchronise(self):
+    def _synchronise(self, request):
         strategy = self.model.distribute_strategy
         weights = self.model.trainable_variables
-        pseudo = strategy.run(self._replica_pseudo_gradients)
+        pseudo, averaged, agreed = strategy.run(
+            self._replica_pseudo_gradients, args=(request,)
+        )
         # Every replica continues from the anchor, the outer optimizer moves
         # it by the pseudo-gradient, and the result is the new anchor.
         for weight, anchor in zip(weights, self.anchors):
@@ -251,12 +260,25 @@ class LocalTraining:
         strategy.run(self._apply_outer, args=(pseudo,))
         for weight, anchor in zip(weights, self.anchors):
             anchor.assign(tf.convert_to_tensor(weight))
+        for variable, value in zip(self._averaged(), averaged):
+            # The row-weighted mean, identical on every replica.
+            variable.assign(strategy.experimental_local_results(value)[0])
         self.rows.assign(0.0)
         self.steps.assign(0)
         self.round_stats.assign(tf.zeros_like(self.round_stats))
         self.synchronisations.assign_add(1)
+        return strategy.experimental_local_results(agreed)[0]
 
-    def _replica_pseudo_gradients(self):
+    def _averaged(self):
+        """The model's floating non-trainable state (e.g. BatchNormalization
+        moving statistics), averaged by rows at each synchronisation."""
+        return [
+            v
+            for v in self.model.non_trainable_variables
+            if tf.as_dtype(v.dtype).is_floating
+        ]
+
+    def _replica_pseudo_gradients(self, request):
         weights = self.model.trainable_variables
         rows = tf.identity(self.rows)
         deltas = [
@@ -264,20 +286,37 @@ class LocalTraining:
             for anchor, weight in zip(self.anchors, weights)
         ]
         context = tf.distribute.get_replica_context()
-        # One collective for the rows and the round's telemetry, then the
-        # deltas weighted by each replica's share of the rows (bounded by the
-        # largest delta, so fp16 does not overflow whatever the rows).
+        # One collective for the rows, the checkpoint request and the
+        # round's telemetry; then the deltas weighted by each replica's
+        # share of the rows (bounded by the largest delta, so fp16 does not
+        # overflow whatever the rows).
         head = context.all_reduce(
             tf.distribute.ReduceOp.SUM,
-            tf.concat([tf.reshape(rows, [1]), self.round_stats], axis=0),
+            tf.concat(
+                [
+                    tf.reshape(rows, [1]),
+                    tf.reshape(request, [1]),
+                    self.round_stats,
+                ],
+                axis=0,
+            ),
         )
         telemetry = self.model._hetero.telemetry
         if telemetry is not None:
             # The round's steps, every replica's rows and seconds.
-            telemetry.record(head[1:], steps=tf.cast(self.steps, tf.float64))
+            telemetry.record(head[2:], steps=tf.cast(self.steps, tf.float64))
         share = tf.math.divide_no_nan(rows, head[0])
         pseudo = self._sum(context, [delta * share for delta in deltas])
-        return [tf.cast(p, w.dtype) for p, w in zip(pseudo, weights)]
+        pseudo = [tf.cast(p, w.dtype) for p, w in zip(pseudo, weights)]
+        state = self._averaged()
+        averaged = []
+        if state:
+            sums = context.all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                [tf.cast(v, tf.float32) * share for v in state],
+            )
+            averaged = [tf.cast(a, v.dtype) for a, v in zip(sums, state)]
+        return pseudo, averaged, head[1]
 
     def _sum(self, context, tensors):
         compression = self.mode.compression
@@ -296,6 +335,59 @@ class LocalTraining:
             self.outer, list(pseudo), self.model.trainable_variables
         )
 
+    # --- checkpoints -------------------------------------------------------
+
+    def replica_variables(self):
+        """The state that differs between replicas at a synchronisation:
+        the inner optimizer's variables (its slots stay local)."""
+        return _compat.optimizer_variables(self.model.optimizer)
+
+    def gather_replica_state(self):
+        """Every global replica's copy of `replica_variables()`, gathered
+        (a collective: call on every worker, after an agreed save).
+
+        Returns:
+            One array per variable, shaped `[replicas, *variable.shape]`.
+        """
+        if self._gather_function is None:
+            strategy = self.model.distribute_strategy
+            variables = self.replica_variables()
+
+            def gather():
+                context = tf.distribute.get_replica_context()
+                return [
+                    context.all_gather(tf.expand_dims(tf.identity(v), 0), 0)
+                    for v in variables
+                ]
+
+            self._gather_function = tf.function(lambda: strategy.run(gather))
+        gathered = self._gather_function()
+        strategy = self.model.distribute_strategy
+        return [
+            np.array(strategy.experimental_local_results(g)[0].numpy())
+            for g in gathered
+        ]
+
+    def restore_replica_state(self, arrays):
+        """Gives each local replica its own copy of `replica_variables()`
+        from `gather_replica_state()`'s arrays (of the same replica count).
+        """
+        strategy = self.model.distribute_strategy
+        ids = strategy.experimental_local_results(
+            strategy.run(
+                lambda: (
+                    tf.distribute.get_replica_context().replica_id_in_sync_group
+                )
+            )
+        )
+        ids = [int(tf.get_static_value(i)) for i in ids]
+        for variable, array in zip(self.replica_variables(), arrays):
+            copies = strategy.experimental_local_results(
+                _compat.distributed_variable(variable)
+            )
+            for replica, copy in zip(ids, copies):
+                copy.assign(array[replica])
+
 
 def _int8_sum(context, tensors):
     """SUM across replicas of int8-quantised tensors (per-tensor scale).
@@ -304,25 +396,35 @@ def _int8_sum(context, tensors):
     (`max|t| / 127`); the values and scales of all replicas are gathered
     and summed locally (a SUM of int8 values would overflow). TensorFlow's
     collectives gather no int8 (allowed: float16/32/64, int32/64), so four
-    int8 values travel bitcast as one int32.
+    int8 values travel bitcast as one int32; all tensors in one gather.
     """
-    sums = []
-    for tensor in tensors:
-        scale = tf.reduce_max(tf.abs(tensor)) / 127.0
-        quantised = tf.cast(
-            tf.round(tf.math.divide_no_nan(tensor, scale)), tf.int8
+    scales = tf.stack([tf.reduce_max(tf.abs(t)) / 127.0 for t in tensors])
+    flat = tf.concat(
+        [
+            tf.reshape(
+                tf.cast(tf.round(tf.math.divide_no_nan(t, s)), tf.int8), [-1]
+            )
+            for t, s in zip(tensors, tf.unstack(scales))
+        ],
+        axis=0,
+    )
+    size = tf.size(flat)
+    padded = tf.pad(flat, [[0, (-size) % 4]])
+    words = tf.bitcast(tf.reshape(padded, [-1, 4]), tf.int32)
+    gathered = context.all_gather(tf.expand_dims(words, 0), axis=0)
+    all_scales = context.all_gather(tf.expand_dims(scales, 0), axis=0)
+    replicas = tf.shape(gathered)[0]
+    values = tf.reshape(tf.bitcast(gathered, tf.int8), [replicas, -1])
+    values = tf.cast(values[:, :size], tf.float32)
+    sums, offset = [], 0
+    for index, tensor in enumerate(tensors):
+        count = int(np.prod(tensor.shape))
+        part = (
+            values[:, offset : offset + count]
+            * all_scales[:, index : index + 1]
         )
-        flat = tf.reshape(quantised, [-1])
-        size = tf.size(flat)
-        padded = tf.pad(flat, [[0, (-size) % 4]])
-        words = tf.bitcast(tf.reshape(padded, [-1, 4]), tf.int32)
-        gathered = context.all_gather(tf.expand_dims(words, 0), axis=0)
-        scales = context.all_gather(tf.reshape(scale, [1]), axis=0)
-        values = tf.reshape(
-            tf.bitcast(gathered, tf.int8), [tf.shape(gathered)[0], -1]
-        )
-        values = tf.cast(values[:, :size], tf.float32) * scales[:, None]
-        sums.append(tf.reshape(tf.reduce_sum(values, 0), tf.shape(tensor)))
+        sums.append(tf.reshape(tf.reduce_sum(part, 0), tf.shape(tensor)))
+        offset += count
     return sums
 
 

@@ -70,6 +70,13 @@ def main():
         action="store_true",
         help="worker 0 simulated 8x slower; a ShardRebalancer moves shares",
     )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=0,
+        help="low-communication training (kh.LowCommunication), inner "
+        "SGD with momentum 0.9",
+    )
     args = parser.parse_args()
     faults = [int(step) for step in args.fault_at.split(",") if step]
     multi_worker = "TF_CONFIG" in os.environ
@@ -102,9 +109,18 @@ def main():
     augment = ()
     if args.input == "augment":
         augment = elastic_inputs.augment_layers(keras)
+    low_communication = {}
+    if args.sync_every:
+        low_communication = dict(
+            low_communication=kh.LowCommunication(args.sync_every),
+            momentum=0.9,
+        )
     with strategy.scope():
         model = helpers.id_model(
-            seen, [0.004, 0.0005] if args.rebalance else 0.0, augment=augment
+            seen,
+            [0.004, 0.0005] if args.rebalance else 0.0,
+            augment=augment,
+            **low_communication,
         )
     os.makedirs(args.out, exist_ok=True)
     prefix = os.path.join(args.out, f"attempt{restart}-worker{task}")
