@@ -88,11 +88,14 @@ def worker(args):
         GLOBAL_BATCH,
         strategy=strategy,
     )
-    times = []
+    times, waits = [], []
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter())
+            stats = self.model.step_stats
+            if stats.measured_steps and stats.wait_seconds is not None:
+                waits.append(stats.wait_seconds / stats.measured_steps)
 
     callbacks = [Clock()]
     if args.rebalance:
@@ -145,6 +148,12 @@ def worker(args):
             sum(np.prod(v.shape) for v in model.trainable_variables)
         ),
         "shares": [float(s) for s in data.shares],
+        # Each worker's wait at the synchronisations per step (second half).
+        "wait_per_step": (
+            np.mean(waits[len(waits) // 2 :], axis=0).tolist()
+            if waits
+            else None
+        ),
     }
     if task == 0:
         with open(args.out, "w") as f:
@@ -202,6 +211,11 @@ def main():
     parser.add_argument("--mbit", type=float, default=50.0)
     parser.add_argument("--slow-steps", type=int, default=300)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--only",
+        default="loss,link,speeds",
+        help="tables to measure: loss (with the bytes), link, speeds",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -217,6 +231,16 @@ def main():
         f"flavour {kh.FLAVOUR}, H = {H}, global batch {GLOBAL_BATCH}, "
         f"{args.steps} steps ({args.steps * GLOBAL_BATCH} examples)\n"
     )
+    only = set(args.only.split(","))
+    if "loss" in only:
+        _loss_tables(args, steps, H)
+    if "link" in only:
+        _link_table(args, H)
+    if "speeds" in only:
+        _speeds_table(args, H)
+
+
+def _loss_tables(args, steps, H):
     rows = []
     for workers in [int(w) for w in args.workers.split(",")]:
         sync = run(workers, steps)
@@ -250,6 +274,11 @@ def main():
             f"{bf['loss']:.4f} | {rel:+.1%} | {sync['accuracy']:.3f} | "
             f"{low['accuracy']:.3f} | {bf['accuracy']:.3f} |"
         )
+
+
+def _link_table(args, H):
+    import keras_hetero as kh
+
     print("\n## Throughput with worker 1 behind a slowed link\n")
     available, reason = kh.testing.network_available()
     if not available:
@@ -260,41 +289,71 @@ def main():
             net.slow(
                 1, latency=args.latency_ms / 1000, bandwidth=args.mbit * 1e6 / 8
             )
-            sync_a = run(2, slow_steps, hosts=net)
-            sync_b = run(2, slow_steps, hosts=net)
-            low = run(2, slow_steps + ["--sync-every", str(H)], hosts=net)
+            measured = []
+            for options in (
+                [],
+                [],
+                ["--sync-every", str(H)],
+                ["--sync-every", str(H), "--compression", "bf16"],
+            ):
+                before = net.relayed_bytes(1)
+                value = run(2, slow_steps + options, hosts=net)
+                value["relayed"] = net.relayed_bytes(1) - before
+                measured.append(value)
         print(
             f"{args.latency_ms:g} ms latency, {args.mbit:g} Mbit/s per "
-            f"direction, 2 workers, {args.slow_steps} steps\n"
+            f"direction, 2 workers, {args.slow_steps} steps. Relayed bytes: "
+            "all traffic to and from worker 1 through the relay over the "
+            "whole job (start-up, variable broadcast and evaluation "
+            "included), per trained example.\n"
         )
-        print("| run | examples/s | vs synchronous |")
-        print("|---|---:|---:|")
-        base = sync_a["examples_per_second"]
-        for name, value in (
-            ("synchronous", sync_a),
-            ("synchronous (A/A)", sync_b),
-            (f"H = {H}", low),
-        ):
+        print(
+            "| run | examples/s | vs synchronous | relayed bytes / example "
+            "| fewer |"
+        )
+        print("|---|---:|---:|---:|---:|")
+        base = measured[0]["examples_per_second"]
+        examples = args.slow_steps * GLOBAL_BATCH
+        base_bytes = measured[0]["relayed"] / examples
+        names = [
+            "synchronous",
+            "synchronous (A/A)",
+            f"H = {H}",
+            f"H = {H}, bf16",
+        ]
+        for name, value in zip(names, measured):
             rate = value["examples_per_second"]
-            print(f"| {name} | {rate:.0f} | {rate / base:.2f}x |")
+            per_example = value["relayed"] / examples
+            print(
+                f"| {name} | {rate:.0f} | {rate / base:.2f}x | "
+                f"{per_example:.0f} | {base_bytes / per_example:.0f}x |"
+            )
+
+
+def _speeds_table(args, H):
     print("\n## SIMULATED speeds 1 : 3, held-out loss at equal wall time\n")
-    seconds = "20" if not args.quick else "8"
-    speeds = ["--speeds", "0.0001,0.0003", "--seconds", seconds]
+    seconds = "30" if not args.quick else "8"
+    per_row = "0.001,0.003"
+    speeds = ["--speeds", per_row, "--seconds", seconds]
     long_steps = ["--steps", str(args.steps * 4)]
     h = ["--sync-every", str(min(H, 20))]
     fixed = run(2, long_steps + h + speeds)
     balanced = run(2, long_steps + h + speeds + ["--rebalance"])
     print(
         f"2 workers, sync_every {min(H, 20)}, {seconds} s of training each "
-        "(simulated seconds per row 0.0001 and 0.0003)\n"
+        f"(simulated seconds per row {per_row})\n"
     )
-    print("| inner work | steps | held-out loss | accuracy | final shares |")
-    print("|---|---:|---:|---:|---|")
+    print(
+        "| inner work | steps | held-out loss | accuracy | final shares | "
+        "wait per step, worker 0 / 1 (ms) |"
+    )
+    print("|---|---:|---:|---:|---|---|")
     for name, value in (("equal shares", fixed), ("by speed", balanced)):
         shares = ", ".join(f"{s:.2f}" for s in value["shares"])
+        waits = " / ".join(f"{1000 * w:.1f}" for w in value["wait_per_step"])
         print(
             f"| {name} | {value['steps']} | {value['loss']:.4f} | "
-            f"{value['accuracy']:.3f} | {shares} |"
+            f"{value['accuracy']:.3f} | {shares} | {waits} |"
         )
 
 

@@ -43,6 +43,8 @@ from keras_hetero.training import telemetry
 
 # Prefix of the partial gradient sums in a `.keras` file's model entry.
 _ACCUMULATION_KEY = "keras_hetero_accumulation_"
+# Prefix of low-communication training's state (anchor, outer optimizer).
+_LOW_COMMUNICATION_KEY = "keras_hetero_low_communication_"
 
 
 class HeteroModel(_compat.TrainerOverrides, keras.Model):
@@ -358,6 +360,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if hetero.low_communication is None:
             return None
         if getattr(hetero, "local_training", None) is None:
+            if not self.trainable_variables:
+                return None  # not built yet (`_check_low_communication`)
             hetero.local_training = low_communication.LocalTraining(
                 self, hetero.low_communication
             )
@@ -515,6 +519,14 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if accumulator is not None:
             for name, value in accumulator.state().items():
                 store[_ACCUMULATION_KEY + name] = value
+        local = self._hetero.local_training
+        if local is not None:
+            # The anchor and the outer optimizer's state (e.g. its Nesterov
+            # momentum): a loaded model goes on with the same outer steps.
+            for index, variable in enumerate(local.variables):
+                store[f"{_LOW_COMMUNICATION_KEY}{index}"] = np.array(
+                    variable.numpy()
+                )
 
     def load_own_variables(self, store):
         """Loads what `save_own_variables` saved.
@@ -523,8 +535,17 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             store: The dict-like store Keras loads this model's state from.
         """
         names = list(store.keys())
-        keras_names = [n for n in names if not n.startswith(_ACCUMULATION_KEY)]
+        own = (_ACCUMULATION_KEY, _LOW_COMMUNICATION_KEY)
+        keras_names = [n for n in names if not n.startswith(own)]
         super().load_own_variables({name: store[name] for name in keras_names})
+        self._load_low_communication(
+            [
+                np.asarray(store[f"{_LOW_COMMUNICATION_KEY}{index}"])
+                for index in range(
+                    sum(n.startswith(_LOW_COMMUNICATION_KEY) for n in names)
+                )
+            ]
+        )
         saved = {
             name[len(_ACCUMULATION_KEY) :]: np.asarray(store[name])
             for name in names
@@ -546,6 +567,24 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 stacklevel=2,
             )
 
+    def _load_low_communication(self, arrays):
+        if not arrays:
+            return
+        local = self._local_training() if self.built else None
+        variables = [] if local is None else local.variables
+        shapes = [tuple(np.shape(a)) for a in arrays]
+        if shapes != [tuple(v.shape) for v in variables]:
+            warnings.warn(
+                f"The file holds low-communication state ({len(arrays)} "
+                f"arrays: the anchor and the outer optimizer's state) that "
+                f"`{self.name}` has no place for (low_communication="
+                f"{self._hetero.low_communication!r}); it is dropped.",
+                stacklevel=3,
+            )
+            return
+        for variable, array in zip(variables, arrays):
+            variable.assign(array)
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
@@ -555,7 +594,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             strategy
         ):
             hetero.telemetry = telemetry.Telemetry(
-                strategy, _distribute.global_replica_devices(strategy)
+                strategy,
+                _distribute.global_replica_devices(strategy),
+                waits=hetero.low_communication is not None,
             )
         if self.built:  # else its first trace builds the model and sums
             self._accumulator()
@@ -587,12 +628,13 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         cannot do."""
         mode = self._hetero.low_communication
         low_communication.check_strategy(self.distribute_strategy)
-        if not self.built:
+        if not self.built or not self.trainable_variables:
             raise ValueError(
                 f"`{self.name}` with `low_communication` must be built before "
-                "`fit` (its weights at the start of each round are copied "
-                "then): give it `keras.Input`, or call `model.build(shape)` "
-                "or the model on a batch first."
+                "`fit`, with trainable weights (they are copied at the start "
+                "of each round); it has "
+                f"{len(self.trainable_variables)}. Give it `keras.Input`, or "
+                "call the model on a batch first."
             )
         if self._hetero.loss_scale is not None:
             raise ValueError(

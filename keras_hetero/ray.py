@@ -244,9 +244,16 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         """Reports metrics on every worker; the chief attaches a checkpoint
         of the current step unless nothing was trained since the last one."""
         checkpoint = None
+        name = checkpointing.checkpoint_name(self.global_step)
+        path = os.path.join(self.directory, name)
+        local = self._low_communication()
+        if self._since_report and local is not None:
+            # Every worker reports here: the round ends and all of them
+            # gather the per-replica state the chief saves.
+            self._save_at_round_end(
+                local, write=self.is_chief and not os.path.isdir(path)
+            )
         if self._since_report and self.is_chief:
-            name = checkpointing.checkpoint_name(self.global_step)
-            path = os.path.join(self.directory, name)
             if not os.path.isdir(path):
                 self.save_now()
             checkpoint = ray.train.Checkpoint.from_directory(path)

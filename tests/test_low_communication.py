@@ -4,6 +4,8 @@ row-weighted pseudo-gradient every `sync_every` steps, an outer optimizer.
 The reference is the algorithm written out with one plain Keras model per
 replica (`_diloco_reference`)."""
 
+import os
+
 import helpers
 import numpy as np
 import pytest
@@ -219,6 +221,10 @@ def test_replicas_train_apart_between_synchronisations_without_collectives(
         (1, 0),
     ]
     assert watch.stats[2].rows.tolist() == [12 * 3, 4 * 3]
+    # Waits at the synchronisation before (none before the first).
+    assert watch.stats[2].wait_seconds.tolist() == [0.0, 0.0]
+    assert stats.wait_seconds.shape == (2,) and np.all(stats.wait_seconds >= 0)
+    assert np.any(stats.wait_seconds > 0)
 
 
 @pytest.mark.parametrize(
@@ -354,3 +360,115 @@ def test_multi_worker_processes_match_the_algorithm(
         assert value["steps"] == last_round
     evaluations = [r.value["evaluation"]["loss"] for r in results]
     assert evaluations == pytest.approx([evaluations[0]] * num_workers)
+
+
+@pytest.mark.slow
+def test_rebalancer_sizes_rows_by_speed_and_removes_the_wait():
+    # SIMULATED: worker 1 takes 3x the seconds per row. With equal shares
+    # the fast worker waits for it at every synchronisation; the rebalancer
+    # gives it 3/4 of the rows and the waits shrink.
+    import workers_lib
+
+    fixed, balanced = (
+        kh.testing.run_workers(
+            workers_lib.low_communication_rebalance_mwms,
+            2,
+            timeout=300,
+            args=(rebalance,),
+        )[0].value
+        for rebalance in (False, True)
+    )
+    assert fixed["shares"] == [0.5, 0.5]
+    assert balanced["shares"][0] == pytest.approx(0.75, abs=0.05)
+    # Equal shares: worker 0 waits about 2/3 of worker 1's round time.
+    assert fixed["waits"][0] > 3 * fixed["waits"][1]
+    assert balanced["waits"][0] < 0.5 * fixed["waits"][0]
+
+
+def test_run_report_and_tensorboard_record_the_rounds(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, kh.LowCommunication(2))
+    report = kh.callbacks.RunReport(tmp_path / "report")
+    board = kh.callbacks.HeteroTensorBoard(tmp_path / "logs")
+    _fit(model, strategy, callbacks=[report, board])
+    records = report.records
+    # Two rounds of 2 steps per epoch are recorded at their
+    # synchronisations (the epoch-end round's numbers come at epoch end).
+    assert records.steps.tolist() == [2, 4, 7, 9]
+    assert records.rows.tolist() == [[12, 4]] * 4  # per step
+    assert records.wait_seconds.shape == (4, 2)
+    assert np.all(np.isfinite(records.wait_seconds))
+    assert os.path.exists(report.files.png)
+
+
+def test_keras_file_mid_training_goes_on_with_the_outer_state(tmp_path):
+    def model():
+        built = kh.HeteroModel(
+            *helpers.layers(), low_communication=kh.LowCommunication(2)
+        )
+        built.compile(optimizer=_inner_optimizer(), loss="mse")
+        built.set_weights(helpers.initial_weights())
+        return built
+
+    one_device = tf.distribute.get_strategy()
+    straight = model()
+    _fit(straight, one_device, shares=[1.0], epochs=2)
+    first = model()
+    _fit(first, one_device, shares=[1.0], epochs=1)
+    path = str(tmp_path / "half.keras")
+    first.save(path)
+    loaded = keras.saving.load_model(path)
+    _fit(loaded, one_device, shares=[1.0], epochs=1)
+    helpers.assert_weights_close(loaded.get_weights(), straight.get_weights())
+
+
+def test_mixed_bfloat16_trains_close_to_float32():
+    strategy = helpers.mirrored(DEVICES[:2])
+    expected = _diloco_reference(2)
+    policy = keras.mixed_precision.global_policy()
+    kh.set_precision("mixed_bfloat16")
+    try:
+        model = _model(
+            strategy, kh.LowCommunication(2), precision="mixed_bfloat16"
+        )
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    assert model.layers[-1].compute_dtype == "bfloat16"
+    _fit(model, strategy)
+    for got, want in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+def test_hetero_sequential_with_low_communication():
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        inputs, outputs = helpers.layers()
+        functional = keras.Model(inputs, outputs)
+        model = kh.HeteroSequential(
+            [keras.Input((helpers.FEATURES,)), *functional.layers[1:]],
+            low_communication=kh.LowCommunication(2),
+        )
+        model.compile(optimizer=_inner_optimizer(), loss="mse")
+        model.set_weights(helpers.initial_weights())
+    _fit(model, strategy)
+    helpers.assert_weights_close(
+        model.get_weights(), _diloco_reference(2), rtol=1e-4
+    )
+
+
+def test_a_subclassed_model_must_be_built_first():
+    class Subclassed(kh.HeteroModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    model = Subclassed(low_communication=kh.LowCommunication(2))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")
+    with pytest.raises(ValueError, match="must be built before `fit`"):
+        model.fit(x, y, verbose=0)
+    model(x)  # Keras 3's `build(shape)` creates no weights of a subclass
+    model.fit(x, y, verbose=0)

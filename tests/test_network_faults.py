@@ -183,6 +183,10 @@ def test_harness_cuts_restores_slows_and_cleans_up():
             paced = trips(net.bridge_address, size=100_000, times=1)
             # 100 kB at 200 kB/s each way (the two directions overlap).
             assert paced["trips"][0] >= 0.45, paced
+            # Through the relay: 3 x 1000 bytes and 100 kB, each both ways.
+            assert net.relayed_bytes(1) >= 2 * (3 * 1000 + 100_000)
+            with pytest.raises(ValueError, match="relayed"):
+                net.relayed_bytes(0)
             net.cut(1)
             cut = trips(net.address(1), timeout=1.0)
             assert "error" in cut, cut

@@ -376,3 +376,47 @@ def low_communication_mwms(shares, sync_every, outer_sgd_1=False, spe=1):
             model._local_training().synchronisations.numpy()
         ),
     }
+
+
+def low_communication_rebalance_mwms(rebalance):
+    """Low-communication training on SIMULATED speeds 1 : 3 (worker 1 slow),
+    with or without a ShardRebalancer: final shares and the waits at the
+    synchronisations of the second half."""
+    import helpers
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        inputs = keras.Input((helpers.FEATURES,))
+        slow = kh.testing.SimulatedSpeed([0.0005, 0.0015])(inputs)
+        model = kh.HeteroModel(
+            inputs,
+            keras.layers.Dense(1)(slow),
+            low_communication=kh.LowCommunication(4),
+        )
+        model.compile(optimizer="sgd", loss="mse")
+    data = kh.data.shard(helpers.examples(rows=32 * 48), 32, strategy=strategy)
+    waits = []
+
+    class Waits(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            stats = self.model.step_stats
+            if stats.measured_steps:
+                waits.append(stats.wait_seconds.tolist())
+
+    callbacks = [Waits()]
+    if rebalance:
+        callbacks.append(
+            kh.callbacks.ShardRebalancer(
+                data, every_n_steps=4, warmup_steps=4, window=8
+            )
+        )
+    model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+    return {
+        "shares": [float(s) for s in data.shares],
+        "waits": np.mean(waits[len(waits) // 2 :], axis=0).tolist(),
+    }

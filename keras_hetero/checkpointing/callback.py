@@ -550,6 +550,22 @@ class ElasticCheckpoint(base.HeteroCallback):
         if self._chief and self.save_due():
             local.save_requested = True
 
+    def _save_at_round_end(self, local, write=True):
+        """Low-communication training, at a point every worker reaches
+        (the end of `fit`, a Ray report): ends the round, gathers every
+        replica's inner optimizer state, and the chief saves if `write`."""
+        local.maybe_synchronise(force=True)
+        local.save_agreed = False
+        replica_state = local.gather_replica_state()
+        if self._chief and write:
+            self._join()
+            self._save(wait=True, replica_state=replica_state)
+
+    def _low_communication(self):
+        """The model's low-communication state, or None (see
+        `kh.LowCommunication`)."""
+        return _local_training(self.model)
+
     def _save_if_agreed(self, local, wait=None):
         if not local.save_agreed:
             return
@@ -586,14 +602,8 @@ class ElasticCheckpoint(base.HeteroCallback):
         self._restore_signal_handlers()
         local = _local_training(self.model)
         if local is not None and not self.preempted:
-            # Every worker ends here: the round ends, and all of them gather
-            # what the chief saves (whether it saves: only it knows).
-            local.maybe_synchronise(force=True)
-            local.save_agreed = False
-            replica_state = local.gather_replica_state()
-            if self._chief and self._since_save:
-                self._join()
-                self._save(wait=True, replica_state=replica_state)
+            # Every worker ends here (whether the chief saves: only it knows).
+            self._save_at_round_end(local, write=self._since_save > 0)
         elif self._since_save and not self.preempted:
             self.save_now()
         self._join()

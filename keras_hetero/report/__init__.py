@@ -39,6 +39,9 @@ class Records:
         events: `kh.callbacks.StragglerEvent`s, oldest first.
         checkpoints: `(step, blocking seconds, write seconds)` per save.
         share_changes: `(step, shares)` per `ShardRebalancer` decision.
+        wait_seconds: Low-communication training (`kh.LowCommunication`):
+            each replica's seconds per step waiting at the synchronisation
+            before the record's, shape `[n, replicas]`; else None.
     """
 
     steps: np.ndarray
@@ -49,6 +52,7 @@ class Records:
     events: list = dataclasses.field(default_factory=list)
     checkpoints: list = dataclasses.field(default_factory=list)
     share_changes: list = dataclasses.field(default_factory=list)
+    wait_seconds: np.ndarray = None
 
     @property
     def num_replicas(self):
@@ -120,6 +124,16 @@ def plot(records):
                 color=colors[replica],
                 linewidth=1.2,
                 label=f"replica {replica}",
+            )
+    if records.wait_seconds is not None:
+        for replica in range(records.num_replicas):
+            times.plot(
+                steps,
+                records.wait_seconds[:, replica],
+                color=colors[replica],
+                linestyle=":",
+                linewidth=1.0,
+                label=f"replica {replica} wait",
             )
     if np.any(np.isfinite(records.step_seconds)):
         times.plot(

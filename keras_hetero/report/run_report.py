@@ -60,6 +60,7 @@ class RunReport(_sources.Observer):
         self.files = None
         self._chief = _distribute.is_chief(self.model.distribute_strategy)
         self._steps, self._rows, self._seconds, self._wall = [], [], [], []
+        self._waits = []
         self._devices = None
         self._last_end = None
         self._seen = 0
@@ -79,6 +80,8 @@ class RunReport(_sources.Observer):
         self._steps.append(stats.step)
         self._rows.append(stats.rows / stats.measured_steps)
         self._seconds.append(stats.compute_seconds / stats.measured_steps)
+        if stats.wait_seconds is not None:
+            self._waits.append(stats.wait_seconds / stats.measured_steps)
         wall = np.nan if last is None else (now - last) / stats.steps
         self._wall.append(wall)
         self._devices = stats.devices
@@ -97,5 +100,10 @@ class RunReport(_sources.Observer):
             events=list(sources.events),
             checkpoints=sources.saves(),
             share_changes=list(sources.share_changes),
+            wait_seconds=(
+                np.asarray(self._waits, np.float64)
+                if len(self._waits) == len(self._steps)
+                else None
+            ),
         )
         self.files = report.write(self.records, self.directory)

@@ -207,12 +207,18 @@ class NetworkHosts:
         Raises:
             ValueError: If `host` is not in `relayed`.
         """
-        if host not in self.relayed:
-            raise ValueError(
-                f"Invalid value for argument `host`. Received: host={host!r}."
-                f" Expected a relayed host (relayed={self.relayed!r})."
-            )
+        self._check_relayed(host)
         _Shape.set(self, host, float(latency), bandwidth)
+
+    def relayed_bytes(self, host):
+        """Bytes the relay carried to and from host `host` so far (both
+        directions, every connection: what went over its shaped link).
+
+        Raises:
+            ValueError: If `host` is not in `relayed`.
+        """
+        self._check_relayed(host)
+        return sum(r.bytes for r in self._relays.values() if r.host == host)
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -252,6 +258,13 @@ class NetworkHosts:
         return [name for name in names if name.startswith(self.prefix)]
 
     # --- internals ----------------------------------------------------------
+
+    def _check_relayed(self, host):
+        if host not in self.relayed:
+            raise ValueError(
+                f"Invalid value for argument `host`. Received: host={host!r}."
+                f" Expected a relayed host (relayed={self.relayed!r})."
+            )
 
     def _veth(self, host):
         return f"{self.prefix}v{host}"
@@ -335,6 +348,8 @@ class _Relay:
         self.server.listen(64)
         self.sockets = []
         self.closed = False
+        self.bytes = 0
+        self._count_lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -366,6 +381,8 @@ class _Relay:
                 if pause:
                     time.sleep(pause)
                 sink.sendall(data)
+                with self._count_lock:
+                    self.bytes += len(data)
         except OSError:
             pass
         finally:

@@ -184,6 +184,11 @@ class LocalTraining:
                 name="low_communication_round_stats",
                 **local,
             )
+            # This replica's wait at the last synchronisation (sent in the
+            # next one's collective).
+            self.last_wait = tf.Variable(
+                0.0, name="low_communication_last_wait", **local
+            )
             self.synchronisations = tf.Variable(
                 0, dtype=tf.int64, name="low_communication_synchronisations"
             )
@@ -203,6 +208,7 @@ class LocalTraining:
             self.rows,
             self.steps,
             self.round_stats,
+            self.last_wait,
             self.synchronisations,
             *_compat.optimizer_variables(self.outer),
         ]
@@ -286,10 +292,14 @@ class LocalTraining:
             for anchor, weight in zip(self.anchors, weights)
         ]
         context = tf.distribute.get_replica_context()
-        # One collective for the rows, the checkpoint request and the
-        # round's telemetry; then the deltas weighted by each replica's
-        # share of the rows (bounded by the largest delta, so fp16 does not
-        # overflow whatever the rows).
+        arrived = _compat.unordered_timestamp(rows)
+        waits = tf.one_hot(
+            _distribute.replica_id(), self.num_replicas, dtype=tf.float32
+        ) * tf.identity(self.last_wait)
+        # One collective for the rows, the checkpoint request, the round's
+        # telemetry and the last waits; then the deltas weighted by each
+        # replica's share of the rows (bounded by the largest delta, so
+        # fp16 does not overflow whatever the rows).
         head = context.all_reduce(
             tf.distribute.ReduceOp.SUM,
             tf.concat(
@@ -297,13 +307,15 @@ class LocalTraining:
                     tf.reshape(rows, [1]),
                     tf.reshape(request, [1]),
                     self.round_stats,
+                    waits,
                 ],
                 axis=0,
             ),
         )
+        wait = _compat.unordered_timestamp(head) - arrived
         telemetry = self.model._hetero.telemetry
         if telemetry is not None:
-            # The round's steps, every replica's rows and seconds.
+            # The round's steps, every replica's rows, seconds, last waits.
             telemetry.record(head[2:], steps=tf.cast(self.steps, tf.float64))
         share = tf.math.divide_no_nan(rows, head[0])
         pseudo = self._sum(context, [delta * share for delta in deltas])
@@ -316,7 +328,10 @@ class LocalTraining:
                 [tf.cast(v, tf.float32) * share for v in state],
             )
             averaged = [tf.cast(a, v.dtype) for a, v in zip(sums, state)]
-        return pseudo, averaged, head[1]
+        with tf.control_dependencies(
+            [self.last_wait.assign(tf.cast(wait, tf.float32))]
+        ):
+            return pseudo, averaged, tf.identity(head[1])
 
     def _sum(self, context, tensors):
         compression = self.mode.compression

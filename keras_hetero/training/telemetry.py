@@ -34,6 +34,10 @@ class StepStats:
             `steps`, except under low-communication training
             (`kh.LowCommunication`), where a round's numbers arrive with its
             synchronisation: 0 before it, the round's steps at it.
+        wait_seconds: Low-communication training only (else None): each
+            replica's seconds waiting for the others at the synchronisation
+            BEFORE the one these numbers arrived with (a wait is known only
+            after its collective, so it travels in the next one).
     """
 
     step: int
@@ -42,6 +46,7 @@ class StepStats:
     compute_seconds: np.ndarray
     devices: list
     measured_steps: int = None
+    wait_seconds: np.ndarray = None
 
     def __post_init__(self):
         if self.measured_steps is None:
@@ -127,12 +132,15 @@ class Telemetry(TelemetrySource):
     collective) and a read takes the first copy.
     """
 
-    def __init__(self, strategy, devices):
+    def __init__(self, strategy, devices, waits=False):
         self.num_replicas = strategy.num_replicas_in_sync
         self.devices = list(devices)
+        # Low-communication training: R more slots, the synchronisation waits.
+        self.waits = waits
+        self.size = (3 if waits else 2) * self.num_replicas + 2
         with strategy.scope():
             self.totals = tf.Variable(
-                tf.zeros([2 + 2 * self.num_replicas], tf.float64),
+                tf.zeros([self.size], tf.float64),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -162,7 +170,7 @@ class Telemetry(TelemetrySource):
         """Counts one step whose stats come later (low-communication:
         at the next synchronisation); no collective."""
         return self.totals.assign_add(
-            tf.one_hot(0, 2 + 2 * self.num_replicas, dtype=tf.float64)
+            tf.one_hot(0, self.size, dtype=tf.float64)
         )
 
     def snapshot(self):
@@ -203,9 +211,10 @@ class Telemetry(TelemetrySource):
             step=int(current[0]),
             steps=int(delta[0]),
             rows=np.rint(delta[2 : 2 + replicas]).astype(np.int64),
-            compute_seconds=delta[2 + replicas :],
+            compute_seconds=delta[2 + replicas : 2 + 2 * replicas],
             devices=list(self.devices),
             measured_steps=int(delta[1]),
+            wait_seconds=delta[2 + 2 * replicas :] if self.waits else None,
         )
 
 
