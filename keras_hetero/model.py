@@ -273,7 +273,12 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         grads = loss_scale_lib.gradients_of_sum(grads, row_count, scale)
         if hetero.low_communication is not None:
             return self._local_step(
-                (x, y, y_pred, sample_weight), grads, variables, rows, start
+                (x, y, y_pred, sample_weight),
+                grads,
+                variables,
+                rows,
+                start,
+                timed,
             )
         with tf.control_dependencies(_dependencies(grads)):
             seconds = telemetry.clock(rows, timed) - start
@@ -327,14 +332,14 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         return self._global_logs()
 
-    def _local_step(self, data, grads, variables, rows, start):
+    def _local_step(self, data, grads, variables, rows, start, timed):
         """An inner step of low-communication training: this replica's own
         gradient, applied to its own weights; no collective (see
         `training.low_communication`)."""
         x, y, y_pred, sample_weight = data
         local = self._local_training()
         with tf.control_dependencies(_dependencies(grads)):
-            seconds = telemetry.clock(rows, True) - start
+            seconds = telemetry.clock(rows, timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         stats = telemetry.stats_vector(num_replicas, rows, seconds)
         # A replica without rows applies zero gradients; its weights then
@@ -654,6 +659,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
 
     def compile(self, *args, **kwargs):
         self._check_strategy("compile")
+        if self._hetero.low_communication is not None:
+            low_communication.check_strategy(self.distribute_strategy)
         super().compile(*args, **kwargs)
         if _compat.is_loss_scale_optimizer(self.optimizer):
             # Keras wraps the optimizer itself under a mixed_float16 policy.
@@ -926,9 +933,13 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 "`strategy=` to `kh.data.shard` (or call it inside the "
                 "model's `strategy.scope()`)."
             )
-        return x.as_distributed_dataset(
+        distributed = x.as_distributed_dataset(
             repeat=repeat, class_weight=class_weight
         )
+        if self._hetero.low_communication is not None:
+            # Inner steps run no collective, not even the input's.
+            _compat.without_partial_batch_check(distributed)
+        return distributed
 
     # No `get_config` here: a subclass gets what Keras gives a subclass of
     # `keras.Model` (its own `__init__` arguments, captured when it is

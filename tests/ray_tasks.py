@@ -51,8 +51,16 @@ def train(config):
         )
     seen = []
     keras.utils.set_random_seed(1)
+    low_communication = {}
+    if config.get("sync_every"):
+        low_communication = dict(
+            low_communication=kh.LowCommunication(config["sync_every"]),
+            momentum=0.9,
+        )
     with strategy.scope():
-        model = helpers.id_model(seen, list(SECONDS_PER_ROW))
+        model = helpers.id_model(
+            seen, list(SECONDS_PER_ROW), **low_communication
+        )
     out = config["out"]
     os.makedirs(out, exist_ok=True)
     prefix = os.path.join(out, f"attempt{attempt}-worker{task}")

@@ -303,11 +303,29 @@ def test_sync_every_must_be_a_multiple_of_steps_per_execution():
         _fit(model, strategy)
 
 
-def test_central_storage_is_refused_before_the_first_step():
+def test_central_storage_is_refused_at_compile():
     strategy = tf.distribute.experimental.CentralStorageStrategy(DEVICES[:2])
-    model = _model(strategy, kh.LowCommunication(2))
     with pytest.raises(ValueError, match="CentralStorageStrategy keeps one"):
-        _fit(model, strategy)
+        _model(strategy, kh.LowCommunication(2))
+
+
+def test_jit_compile_on_one_device_trains_the_same():
+    def trained(jit_compile):
+        model = kh.HeteroModel(
+            *helpers.layers(), low_communication=kh.LowCommunication(2)
+        )
+        model.compile(
+            optimizer=_inner_optimizer(), loss="mse", jit_compile=jit_compile
+        )
+        model.set_weights(helpers.initial_weights())
+        _fit(model, tf.distribute.get_strategy(), shares=[1.0])
+        return model
+
+    compiled = trained(True)
+    helpers.assert_weights_close(
+        compiled.get_weights(), trained(False).get_weights()
+    )
+    assert np.isnan(compiled.step_stats.compute_seconds).all()
 
 
 def test_float16_loss_scaling_is_refused():
@@ -355,6 +373,12 @@ def test_multi_worker_processes_match_the_algorithm(
         value = result.value
         helpers.assert_weights_close(value["weights"], expected, rtol=1e-4)
         assert value["synchronisations"] == 2 * rounds_per_epoch
+        if spe == 1 or kh.FLAVOUR == "tf-keras":
+            assert value["input_reduces_in_fit"] == 0  # no per-step check
+        else:
+            # Keras 3 runs k > 1 steps per call with `get_next_as_optional`,
+            # which always checks (docs/low-communication.md).
+            assert value["input_reduces_in_fit"] > 0
         # The last round's rows, of every worker, on every worker.
         last_round = 5 - sync_every * (rounds_per_epoch - 1)
         assert value["steps"] == last_round

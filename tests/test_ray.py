@@ -205,6 +205,32 @@ def test_killed_worker_restarts_at_the_reported_step(
 
 
 @pytest.mark.slow
+def test_low_communication_killed_worker_resumes_exactly(ray_cluster, tmp_path):
+    # Each report (every 2 steps) ends the round on every worker and saves
+    # each replica's inner optimizer state (SGD momentum): the resumed run
+    # ends with the weights of the same job without the kill.
+    plain, killed = str(tmp_path / "plain"), str(tmp_path / "killed")
+    config = {"sync_every": 3}
+    result = _fit({**config, "out": plain}, 2, str(tmp_path / "r1"), "low")
+    assert result.error is None
+    result = _fit(
+        {**config, "out": killed, "fault_at": 7},
+        2,
+        str(tmp_path / "r2"),
+        "low-killed",
+        max_failures=1,
+    )
+    assert result.error is None
+    steps, resumed_from = _committed(killed)
+    assert resumed_from in (2, 4, 6)
+    _assert_exactly_once(steps, epochs=2)
+    helpers.assert_weights_close(
+        _load(os.path.join(killed, "attempt1-worker0-final.npz")),
+        _load(os.path.join(plain, "attempt0-worker0-final.npz")),
+    )
+
+
+@pytest.mark.slow
 def test_restart_with_fewer_workers_reshards_exactly(ray_cluster, tmp_path):
     out, storage = str(tmp_path / "out"), str(tmp_path / "ray")
     first = _fit({"out": out, "epochs": 1, "stop_after": 7}, 2, storage, "rs")

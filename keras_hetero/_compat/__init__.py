@@ -35,6 +35,9 @@ from keras_hetero._compat.data import (
     supports_random_access as supports_random_access,
 )
 from keras_hetero._compat.data import with_known_length as with_known_length
+from keras_hetero._compat.data import (
+    without_partial_batch_check as without_partial_batch_check,
+)
 from keras_hetero._compat.distribute import (
     configure_coordination_timeouts as configure_coordination_timeouts,
 )

@@ -157,3 +157,22 @@ def set_steps_of_distributed_dataset(distributed, steps):
     private `_cardinality`, which Keras reads as steps per epoch.
     """
     distributed._cardinality = steps
+
+
+def without_partial_batch_check(distributed):
+    """No per-step "does every replica have data" collective.
+
+    Upstream (tensorflow/python/distribute/input_lib.py,
+    `_enable_get_next_as_optional`, TF 2.19-2.21): an iterator of a finite
+    distributed dataset whose element shapes are not static, or under a
+    multi-worker strategy, all-reduces at every step whether each replica
+    got a value (partial-batch handling): one collective per step, a round
+    trip on the network under MultiWorkerMirroredStrategy. A
+    `kh.data.shard` dataset gives every replica an element for every
+    global batch (possibly with no rows), so all replicas run out at the
+    same step and the check can go. The flag is read when an iterator is
+    made; set on the distributed dataset, it holds for its iterators.
+    """
+    if hasattr(distributed, "_enable_get_next_as_optional"):
+        distributed._enable_get_next_as_optional = False
+    return distributed
