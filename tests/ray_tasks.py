@@ -90,7 +90,15 @@ def train(config):
         data,
         epochs=config.get("epochs", 2),
         verbose=0,
-        callbacks=[rebalancer, detector, checkpoint, Record()],
+        # Low-communication results depend on which replica trains which
+        # rows: the measured (timing-dependent) shares would differ between
+        # two runs, so those runs keep equal shares.
+        callbacks=[
+            *([] if config.get("sync_every") else [rebalancer]),
+            detector,
+            checkpoint,
+            Record(),
+        ],
     )
     if task == 0:
         np.savez(prefix + "-final.npz", *model.get_weights())
