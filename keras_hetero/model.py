@@ -357,7 +357,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             local.record(rows, stats)
         _compat.update_metrics(self, x, y, y_pred, sample_weight)
         # This replica's own metrics (no collective between synchronisations).
-        return self.get_metrics_result()
+        return _compat.local_metrics_result(self)
 
     def _local_training(self):
         """The `LocalTraining` state (created once), or None."""

@@ -156,6 +156,9 @@ from keras_hetero._compat.training import (
     local_metric_values as local_metric_values,
 )
 from keras_hetero._compat.training import (
+    local_metrics_result as local_metrics_result,
+)
+from keras_hetero._compat.training import (
     metrics_result_from as metrics_result_from,
 )
 from keras_hetero._compat.training import (

@@ -505,6 +505,32 @@ def metrics_result_from(model, variables, sums):
         return model.get_metrics_result()
 
 
+def local_metrics_result(model):
+    """This replica's own metric results, with no collective.
+
+    Keras 3: `get_metrics_result()` in replica context reads each
+    replica's own values. tf-keras wraps every `Metric.result`
+    (tf_keras/src/utils/metrics_utils.py, `result_wrapper`) in a
+    `merge_call` or a sync-on-read context, both of which all-reduce the
+    metric variables: one collective per variable per step under
+    MultiWorkerMirroredStrategy. The function it wraps reads this
+    replica's values.
+    """
+    if not IS_LEGACY:
+        return model.get_metrics_result()
+    logs = {}
+    for metric in model.metrics:
+        wrapped = getattr(
+            getattr(metric.result, "__func__", None), "__wrapped__", None
+        )
+        value = wrapped() if wrapped is not None else metric.result()
+        if isinstance(value, dict):
+            logs.update(value)
+        else:
+            logs[metric.name] = value
+    return logs
+
+
 def global_metrics_result(model):
     """`model.get_metrics_result()` over all replicas, in replica context.
 

@@ -300,9 +300,10 @@ class LocalTraining:
         # telemetry and the last waits; then the deltas weighted by each
         # replica's share of the rows (bounded by the largest delta, so
         # fp16 does not overflow whatever the rows).
-        head = context.all_reduce(
-            tf.distribute.ReduceOp.SUM,
-            tf.concat(
+        with tf.control_dependencies([arrived]):
+            # The arrival is read BEFORE the collective starts (nothing else
+            # orders the two: it would be read after it, measuring no wait).
+            payload = tf.concat(
                 [
                     tf.reshape(rows, [1]),
                     tf.reshape(request, [1]),
@@ -310,8 +311,8 @@ class LocalTraining:
                     waits,
                 ],
                 axis=0,
-            ),
-        )
+            )
+        head = context.all_reduce(tf.distribute.ReduceOp.SUM, payload)
         wait = _compat.unordered_timestamp(head) - arrived
         telemetry = self.model._hetero.telemetry
         if telemetry is not None:
