@@ -27,9 +27,8 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.training import aggregation
 
-# The wire format of the pseudo-gradient: the dtype it is summed in.
-WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
 COMPRESSIONS = (None, "fp16", "bf16", "int8")
 
 
@@ -338,8 +337,9 @@ class LocalTraining:
         compression = self.mode.compression
         if compression is None:
             return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
-        if compression in WIRE_DTYPES:
-            wire = WIRE_DTYPES[compression]
+        if compression in aggregation.WIRE_DTYPES:
+            # The same wire dtypes as the synchronous gradients'.
+            wire = aggregation.WIRE_DTYPES[compression]
             sums = context.all_reduce(
                 tf.distribute.ReduceOp.SUM, [tf.cast(t, wire) for t in tensors]
             )
@@ -442,12 +442,6 @@ def _int8_sum(context, tensors):
         sums.append(tf.reshape(tf.reduce_sum(part, 0), tf.shape(tensor)))
         offset += count
     return sums
-
-
-def wire_bytes_per_synchronisation(variables, compression=None):
-    """Bytes one replica sends per synchronisation (the pseudo-gradient)."""
-    itemsize = {None: 4, "fp16": 2, "bf16": 2, "int8": 1}[compression]
-    return int(sum(np.prod(v.shape) for v in variables) * itemsize)
 
 
 class SynchroniseAtEpochEnd(keras.callbacks.Callback):
