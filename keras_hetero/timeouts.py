@@ -22,7 +22,10 @@ class Timeouts:
             reports a hang (its `hang_timeout`). Defaults to `60.0`.
         heartbeat: Seconds without a heartbeat before TF's coordination
             service declares a worker dead (TF's default: 10 s). Defaults
-            to `watchdog * 2`.
+            to `max(watchdog * 2, watchdog + 10)`: the watchdog's report
+            (the timeout, its poll and a check of the others, about 2 s)
+            must come before TF's own error aborts the survivors'
+            collectives, also on a loaded machine.
         register: Seconds the coordination service waits for every worker
             to join at start (TF's default: 1 hour; None keeps it).
             Defaults to None.
@@ -68,7 +71,9 @@ class Timeouts:
                 )
             object.__setattr__(self, field.name, float(value))
         if self.heartbeat is None:
-            object.__setattr__(self, "heartbeat", self.watchdog * 2)
+            object.__setattr__(
+                self, "heartbeat", max(self.watchdog * 2, self.watchdog + 10)
+            )
 
     def apply(self):
         """Passes `heartbeat`, `register` and `shutdown_barrier` to TF's

@@ -220,7 +220,7 @@ def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(tmp_path):
         result, restored = _finish(thread, box, log, out, attempts=2)
     assert line is not None, (
         f"worker 0 named no missing worker within {TIMEOUT + 30:.0f} s of "
-        "the cut"
+        "the cut:\n" + log.text()[-6000:]
     )
     assert line.startswith("[worker 0]"), line
     assert "worker(s) [1] have not reached it" in line, line

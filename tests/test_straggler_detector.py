@@ -233,3 +233,56 @@ def test_hang_watchdog_names_the_missing_worker():
     assert hangs[0] and hangs[0][0] == (6, [1])
     assert "worker(s) [1] have not reached it" in results[0].output
     assert all(r.value["steps"] == 10 for r in results)
+
+
+class _FakeStore:
+    """Heartbeat counters in place of the coordination service: `beating`
+    workers move theirs on every read."""
+
+    def __init__(self, beating):
+        self.beating, self.values, self.reads = set(beating), {}, 0
+
+    def get(self, key, timeout_ms):
+        self.reads += 1
+        task = int(key.rsplit("/", 1)[1])
+        if task in self.beating or task not in self.values:
+            self.values[task] = self.values.get(task, 0) + 1
+        return str(self.values[task])
+
+
+def test_watchdog_knows_a_silent_worker_at_once_when_it_watched_it_stop(
+    monkeypatch,
+):
+    from keras_hetero.stragglers import detector as module
+
+    store = _FakeStore(beating={1})
+    monkeypatch.setattr(module._compat, "get_coordination_value", store.get)
+    heartbeats = module._Heartbeats(period=0.2)
+    heartbeats.read([1, 2])
+    # Worker 2's counter last moved (for this reader) `window` seconds ago.
+    value, _ = heartbeats._seen[2]
+    heartbeats._seen[2] = (value, time.monotonic() - heartbeats.window)
+    reads = store.reads
+    assert heartbeats.silent([1, 2]) == [2]
+    # One read of each, then worker 1 moved and worker 2 was already
+    # silent long enough: no second round of reads, no wait.
+    assert store.reads - reads == 2
+    # Not read before: decided after one window of silence, not sooner.
+    heartbeats.forget()
+    started = time.monotonic()
+    assert heartbeats.silent([1, 2]) == [2]
+    assert time.monotonic() - started >= heartbeats.window - 0.05
+    store.beating.add(2)
+    heartbeats.forget()
+    assert heartbeats.silent([1, 2]) == []
+
+
+def test_timeouts_keep_tf_heartbeat_behind_the_watchdog():
+    assert kh.Timeouts(watchdog=60).heartbeat == 120.0
+    # A short watchdog still leaves its report 10 s before TF's error.
+    assert kh.Timeouts(watchdog=6).heartbeat == 16.0
+    assert kh.Timeouts(watchdog=6, heartbeat=7).heartbeat == 7.0
+    with pytest.raises(ValueError, match="heartbeat=0"):
+        kh.Timeouts(heartbeat=0)
+    with pytest.raises(ValueError, match="watchdog=None"):
+        kh.Timeouts(watchdog=None)

@@ -449,6 +449,7 @@ class _Watchdog:
             self._started = None
 
     def _run(self):
+        heartbeats = _Heartbeats(self.period)
         while not self._stop.wait(self.period):
             with self._lock:
                 step, started = self._step, self._started
@@ -456,15 +457,21 @@ class _Watchdog:
             # (and that of each epoch waits for its iterator): it may take
             # any time, and is not watched.
             if started is None or self._reported == step or step == self._first:
+                heartbeats.forget()
                 continue
-            if time.monotonic() - started < self.timeout:
+            elapsed = time.monotonic() - started
+            others = [w for w in range(self._workers) if w != self._task]
+            # From half the timeout on, the others' heartbeats are read at
+            # every poll: at the timeout, a worker silent since then is
+            # known at once (no further wait that TF's own heartbeat
+            # timeout could overtake).
+            if elapsed >= self.timeout / 2:
+                heartbeats.read(others)
+            if elapsed < self.timeout:
                 continue
             self._reported = step
-            others = [w for w in range(self._workers) if w != self._task]
             stalled = [w for w in others if not _reached(w, step)]
-            silent = _silent(
-                [w for w in others if w not in stalled], self.period
-            )
+            silent = heartbeats.silent([w for w in others if w not in stalled])
             missing = sorted(stalled + silent)
             self.detector.hangs.append((step, missing))
             logger.error(
@@ -509,27 +516,52 @@ def _beat(task, beat):
         pass
 
 
-def _silent(tasks, period):
-    """The workers of `tasks` whose heartbeat does not advance within
-    about three heartbeat periods (cut off, or dead)."""
-    if not tasks:
-        return []
-    wait_ms = int(period * 1000) + 500
-    first = {
-        t: _compat.get_coordination_value(_heartbeat_key(t), wait_ms)
-        for t in tasks
-    }
-    deadline = time.monotonic() + 3 * period + 0.5
-    silent = set(tasks)
-    while silent and time.monotonic() < deadline:
-        for task in sorted(silent):
-            value = _compat.get_coordination_value(_heartbeat_key(task), 500)
-            if value is not None and value != first[task]:
-                silent.discard(task)
-        time.sleep(period / 4)
-    return sorted(silent)
+class _Heartbeats:
+    """What the watchdog has read of the other workers' heartbeats: each
+    one's last value and when it last changed (monotonic seconds)."""
+
+    def __init__(self, period):
+        self.period = period
+        # A worker whose counter has not moved for this long is silent
+        # (it moves every `period` while the worker can reach the service).
+        self.window = 3 * period + 0.5
+        self._seen = {}
+
+    def forget(self):
+        self._seen.clear()
+
+    def read(self, tasks):
+        now = time.monotonic()
+        for task in tasks:
+            value = _compat.get_coordination_value(_heartbeat_key(task), 200)
+            last = self._seen.get(task)
+            if last is None or (value is not None and value != last[0]):
+                self._seen[task] = (value, now)
+
+    def silent(self, tasks):
+        """The workers of `tasks` whose heartbeat has not moved for
+        `window` seconds, reading on until each has moved or that long
+        has passed since it last moved (cut off, or dead)."""
+        undecided, silent = set(tasks), []
+        known = {t for t in tasks if t in self._seen}
+        while True:
+            before = {t: self._seen[t][0] for t in undecided if t in known}
+            self.read(sorted(undecided))
+            now = time.monotonic()
+            for task in sorted(undecided):
+                value, changed = self._seen[task]
+                if task in before and value != before[task]:
+                    undecided.discard(task)  # it beat again: alive
+                elif now - changed >= self.window:
+                    undecided.discard(task)
+                    silent.append(task)
+            known = set(tasks)
+            if not undecided:
+                return sorted(silent)
+            time.sleep(self.period / 4)
 
 
 def _reached(task, step):
-    """Whether worker `task` has started step `step` (waits up to 2 s)."""
-    return _compat.has_coordination_value(_progress_key(task, step), 2000)
+    """Whether worker `task` has started step `step` (its mark is written
+    when the step starts, long before a timeout: waits up to 0.5 s)."""
+    return _compat.has_coordination_value(_progress_key(task, step), 500)
