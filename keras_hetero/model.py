@@ -18,6 +18,7 @@ rows + regularisers)`: exactly what one device computes on the concatenated
 global batch, for any split of rows (a replica may have none).
 """
 
+import time
 import warnings
 
 import numpy as np
@@ -615,12 +616,13 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         local = self._local_training()
 
         def train_function(iterator):
+            started = time.perf_counter()
             logs = function(iterator)
             if local is not None:
                 # Low-communication: a round's telemetry arrives with its
                 # synchronisation; the calls before it cover no steps.
                 local.maybe_synchronise()
-            hetero.telemetry.snapshot()
+            hetero.telemetry.snapshot(time.perf_counter() - started)
             return logs
 
         self.train_function = train_function

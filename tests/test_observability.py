@@ -145,6 +145,7 @@ def test_tensorboard_has_straggler_scores_and_checkpoint_times(run):
         "straggler/relative_1",
         "straggler/individual_1",
         "straggler/flagged",
+        "straggler/communication",
     }
     for tag, want in final.items():
         assert values[(tag, STEPS)] == pytest.approx(want, rel=1e-6)

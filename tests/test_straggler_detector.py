@@ -60,6 +60,12 @@ def test_slowed_replica_is_flagged_with_hook_logs_and_tensorboard(
     assert event.relative_score < 0.7
     assert hooked == detector.events
     assert "replica 1 (worker 0" in caplog.text
+    # A slower device is not a slower link: the time outside compute did
+    # not grow.
+    assert detector.communication_events == []
+    stats = model.step_stats
+    assert stats.call_seconds >= np.nanmax(stats.compute_seconds) > 0
+    assert history.history["straggler/communication"] == [0]
     assert history.history["straggler/flagged"] == [1]
     assert history.history["straggler/relative_1"][0] < 0.7
     # The epoch's scores in TensorBoard, as in the logs.
@@ -286,3 +292,89 @@ def test_timeouts_keep_tf_heartbeat_behind_the_watchdog():
         kh.Timeouts(heartbeat=0)
     with pytest.raises(ValueError, match="watchdog=None"):
         kh.Timeouts(watchdog=None)
+
+
+def test_communication_tracker_flags_time_outside_compute_not_compute():
+    from keras_hetero.stragglers import communication
+
+    tracker = communication.CommunicationTracker(
+        window=3, patience=2, min_excess_seconds=0.003
+    )
+    events = []
+
+    def run(steps, call, compute):
+        for _ in range(steps):
+            run.step += 1
+            event = tracker.step(run.step, call, compute, 1)
+            if event is not None:
+                events.append((run.step, event))
+
+    run.step = 0
+    run(1, 5.0, 0.02)  # the trace: skipped
+    run(10, 0.030, 0.020)  # baseline: 10 ms outside compute
+    assert tracker.baseline == pytest.approx(0.010)
+    run(10, 0.060, 0.040)  # a slower device: compute grows, not the rest
+    assert events == []
+    run(6, 0.060, 0.020)  # a slow link: 40 ms outside compute
+    assert [e.kind for _, e in events] == ["communication"]
+    step, event = events[0]
+    # Two of the three readings slow for the median, then `patience`.
+    assert step == 21 + 3
+    assert event.outside_seconds == pytest.approx(0.040)
+    assert event.baseline_seconds == pytest.approx(0.010)
+    assert event.compute_seconds == pytest.approx(0.020)
+    run(6, 0.030, 0.020)
+    assert [e.kind for _, e in events] == [
+        "communication",
+        "communication_recovered",
+    ]
+    # A resumed run keeps the healthy baseline (the first reading after a
+    # restart traces again and is skipped).
+    resumed = communication.CommunicationTracker(3, 2, 0.003)
+    resumed.set_state(tracker.state())
+    assert resumed.step(1, 5.0, 0.02, 1) is None
+    later = [resumed.step(i, 0.060, 0.020, 1) for i in range(2, 5)]
+    assert [e.kind for e in later if e is not None] == ["communication"]
+
+
+def test_detector_reports_a_slow_link_and_leaves_stragglers_alone(caplog):
+    stats = []
+
+    class Model:
+        @property
+        def step_stats(self):
+            return stats[-1]
+
+    detector = kh.callbacks.StragglerDetector(window=3, patience=2)
+    detector.set_model(Model())
+    detector.on_train_begin()
+
+    def steps(count, call, compute):
+        for _ in range(count):
+            stats.append(
+                kh.StepStats(
+                    step=len(stats) + 1,
+                    steps=1,
+                    rows=np.array([4, 4]),
+                    compute_seconds=np.array([compute, compute]),
+                    devices=["/CPU:0", "/CPU:1"],
+                    call_seconds=call,
+                )
+            )
+            detector.on_train_batch_begin(0)
+            detector.on_train_batch_end(0)
+
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        steps(8, 0.030, 0.020)
+        steps(6, 0.080, 0.020)
+    assert [e.kind for e in detector.communication_events] == ["communication"]
+    assert detector.events == []  # no replica is a straggler
+    assert "slowed by communication at step" in caplog.text
+    assert detector.scalars()["straggler/communication"] == 1
+    state = detector.get_state()
+    assert state["communication"]["baseline"] == pytest.approx(0.010)
+    fresh = kh.callbacks.StragglerDetector(window=3, patience=2)
+    fresh.set_state(state)
+    fresh.set_model(Model())
+    fresh.on_train_begin()
+    assert fresh._communication.baseline == pytest.approx(0.010)

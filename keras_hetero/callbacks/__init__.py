@@ -7,6 +7,7 @@ from keras_hetero.callbacks.base import HeteroCallback
 from keras_hetero.checkpointing.callback import ElasticCheckpoint
 from keras_hetero.report.run_report import RunReport
 from keras_hetero.report.tensorboard import HeteroTensorBoard
+from keras_hetero.stragglers.communication import CommunicationEvent
 from keras_hetero.stragglers.detector import StragglerDetector
 from keras_hetero.stragglers.scoring import StragglerEvent
 
@@ -19,4 +20,5 @@ __all__ = [
     "ShardRebalancer",
     "StragglerDetector",
     "StragglerEvent",
+    "CommunicationEvent",
 ]

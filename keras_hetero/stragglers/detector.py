@@ -12,6 +12,7 @@ from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero.callbacks import base
 from keras_hetero.report import writer
+from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import scoring as straggler
 
 logger = logging.getLogger("keras_hetero")
@@ -60,6 +61,19 @@ class StragglerDetector(base.HeteroCallback):
     - `"checkpoint"`: `checkpoint.save_now()` is called if given;
     - `"stop"`: checkpoint if possible, then `model.stop_training = True`.
 
+    Slow links: with a `HeteroModel` it also follows each step's time
+    outside compute (the train-function call's host time minus the slowest
+    replica's compute: the gradient collective's wait, and the input). When
+    its median over `window` steps exceeds twice its baseline (the first
+    `window` steps after the first) plus `min_excess_seconds` for
+    `patience` steps, while no replica is slower, it logs once that steps
+    are slowed by communication, not by a device, and appends a
+    `CommunicationEvent` to `.communication_events` (and another when it
+    recovers). No action is taken: shares cannot help with a slow link,
+    and `ShardRebalancer` sizes shares by compute seconds, which a slow
+    link does not change. Every worker waits for the slowest transfer
+    alike, so the event does not name a link.
+
     Hang watchdog (multi-worker): with `hang_timeout` seconds set, a thread
     notices when a train step (after the first of the `fit`, which traces,
     and not the first of an epoch) does not finish in time, asks TensorFlow's
@@ -68,8 +82,9 @@ class StragglerDetector(base.HeteroCallback):
     `abort_on_hang=True` it then exits the process with status
     `HANG_EXIT_CODE` so a launcher can restart the job.
 
-    Epoch logs get `straggler/relative_<i>`, `straggler/individual_<i>` and
-    `straggler/flagged` (how many replicas are flagged).
+    Epoch logs get `straggler/relative_<i>`, `straggler/individual_<i>`,
+    `straggler/flagged` (how many replicas are flagged) and
+    `straggler/communication` (1 while steps are slowed outside compute).
 
     Args:
         threshold: Score below which a replica is slow, in (0, 1]. Defaults
@@ -194,8 +209,10 @@ class StragglerDetector(base.HeteroCallback):
         self.hang_timeout = hang_timeout
         self.abort_on_hang = abort_on_hang
         self.events = []
+        self.communication_events = []
         self.hangs = []
         self._scorer = None
+        self._communication = None
         self._writer = None
         self._watchdog = None
 
@@ -203,8 +220,15 @@ class StragglerDetector(base.HeteroCallback):
 
     def on_train_begin(self, logs=None):
         self.events = []
+        self.communication_events = []
         self.hangs = []
         self._scorer = None
+        restored = getattr(self, "_restored_communication", None)
+        self._communication = communication.CommunicationTracker(
+            self.window, self.patience, self.min_excess_seconds
+        )
+        if restored is not None:
+            self._communication.set_state(restored)
         self._steps = 0
         self._batch_start = None
         if self.log_dir is not None and self._writer is None:
@@ -253,6 +277,7 @@ class StragglerDetector(base.HeteroCallback):
             relative_threshold=self.relative_threshold,
             min_excess_seconds=self.min_excess_seconds,
         )
+        self._follow_communication(seconds, steps, measured, changes)
         for replica, kind, relative, individual in changes:
             self._emit(
                 straggler.StragglerEvent(
@@ -264,6 +289,38 @@ class StragglerDetector(base.HeteroCallback):
                     individual_score=individual,
                     kind=kind,
                 )
+            )
+
+    def _follow_communication(self, seconds, steps, measured, changes):
+        stats = getattr(self.model, "step_stats", None)
+        call = getattr(stats, "call_seconds", None)
+        compute = np.nanmax(seconds) if np.isfinite(seconds).any() else None
+        if call is None or compute is None or measured != steps:
+            return  # plain model, XLA (no clocks) or low-communication
+        event = self._communication.step(self._steps, call, compute, steps)
+        if event is None:
+            return
+        self.communication_events.append(event)
+        if event.kind == "communication":
+            logger.warning(
+                "StragglerDetector: steps are slowed by communication at "
+                "step %d: %.1f ms per step outside compute (%.1f ms at the "
+                "start), compute %.1f ms per step%s; a slow network link "
+                "(or input), not a slow device: shares are left alone.",
+                event.step,
+                1000 * event.outside_seconds,
+                1000 * event.baseline_seconds,
+                1000 * event.compute_seconds,
+                "" if not changes else ", and a replica changed speed",
+            )
+        else:
+            logger.warning(
+                "StragglerDetector: steps are no longer slowed by "
+                "communication at step %d: %.1f ms per step outside compute "
+                "(%.1f ms at the start).",
+                event.step,
+                1000 * event.outside_seconds,
+                1000 * event.baseline_seconds,
             )
 
     def _observation(self):
@@ -315,6 +372,8 @@ class StragglerDetector(base.HeteroCallback):
                 np.nan_to_num(individual[replica], nan=1.0)
             )
         scalars["straggler/flagged"] = int(state.flagged.sum())
+        if self._communication is not None:
+            scalars["straggler/communication"] = int(self._communication.slow)
         return scalars
 
     # --- events and actions ---------------------------------------------
@@ -361,6 +420,9 @@ class StragglerDetector(base.HeteroCallback):
             if self._scorer is None
             else self._scorer.state().to_dict(),
             "steps": getattr(self, "_steps", 0),
+            "communication": None
+            if self._communication is None
+            else self._communication.state(),
         }
 
     def set_state(self, state):
@@ -374,6 +436,11 @@ class StragglerDetector(base.HeteroCallback):
             )
         )
         self._steps = int(state["steps"])
+        # Older states have no "communication": the baseline is measured
+        # again.
+        self._restored_communication = state.get("communication")
+        if self._communication is not None and self._restored_communication:
+            self._communication.set_state(self._restored_communication)
 
 
 def _worker_of(replica, devices):
@@ -483,6 +550,12 @@ class _Watchdog:
                 f" (unreachable: {silent})" if silent else "",
             )
             if self.detector.abort_on_hang:
+                if self._task == 0 and self._workers > 1:
+                    # Worker 0 holds the coordination service: the other
+                    # survivors read its heartbeat and the others' there.
+                    # Leaving at once would make it look cut off to those
+                    # still deciding (up to one heartbeat window).
+                    self._stop.wait(heartbeats.window + self.period)
                 logging.shutdown()
                 os._exit(StragglerDetector.HANG_EXIT_CODE)
 

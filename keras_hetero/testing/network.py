@@ -394,6 +394,13 @@ class _Relay:
 
     def close(self):
         self.closed = True
+        try:
+            # Wakes the thread blocked in accept(): until it returns it
+            # holds the socket, which would stay listening on the address
+            # (and refuse the next relay's bind there).
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         for sock in [self.server, *self.sockets]:
             try:
                 sock.close()

@@ -38,6 +38,11 @@ class StepStats:
             replica's seconds waiting for the others at the synchronisation
             BEFORE the one these numbers arrived with (a wait is known only
             after its collective, so it travels in the next one).
+        call_seconds: Host seconds this worker spent in the last
+            train-function call(s) these numbers cover (its steps, their
+            collectives and input), or None where not measured. Minus the
+            slowest replica's `compute_seconds`, it is the time outside
+            compute: what a slow network link makes grow.
     """
 
     step: int
@@ -47,6 +52,7 @@ class StepStats:
     devices: list
     measured_steps: int = None
     wait_seconds: np.ndarray = None
+    call_seconds: float = None
 
     def __post_init__(self):
         if self.measured_steps is None:
@@ -113,8 +119,9 @@ class TelemetrySource:
         the replica step)."""
         raise NotImplementedError
 
-    def snapshot(self):
-        """Marks the end of one train-function call."""
+    def snapshot(self, call_seconds=None):
+        """Marks the end of one train-function call (`call_seconds`: its
+        host time, added up until the next `step_stats`)."""
         raise NotImplementedError
 
     def step_stats(self):
@@ -173,7 +180,7 @@ class Telemetry(TelemetrySource):
             tf.one_hot(0, self.size, dtype=tf.float64)
         )
 
-    def snapshot(self):
+    def snapshot(self, call_seconds=None):
         """Marks the end of one train-function call (no host sync).
 
         Reads one local copy (all hold the same sums): a read of the
@@ -182,12 +189,14 @@ class Telemetry(TelemetrySource):
         """
         self._previous = self._current
         self._current = _first_copy(self.totals).read_value()
+        self._call_seconds = call_seconds
         self._stats = None
 
     def reset(self):
         """Starts a new series; the next `snapshot` has nothing before it."""
         self._current = _first_copy(self.totals).read_value()
         self._previous = None
+        self._call_seconds = None
         self._stats = None
 
     def step_stats(self):
@@ -215,6 +224,7 @@ class Telemetry(TelemetrySource):
             devices=list(self.devices),
             measured_steps=int(delta[1]),
             wait_seconds=delta[2 + 2 * replicas :] if self.waits else None,
+            call_seconds=self._call_seconds,
         )
 
 
@@ -277,7 +287,7 @@ class WorkerTelemetry(TelemetrySource):
     def step_stats(self):
         return self._stats
 
-    def snapshot(self):
+    def snapshot(self, call_seconds=None):
         """Nothing to do: the runner calls `add` at every batch end."""
 
     def record(self, gathered_stats, steps=None):

@@ -71,6 +71,13 @@ def main():
         help="worker 0 simulated 8x slower; a ShardRebalancer moves shares",
     )
     parser.add_argument(
+        "--balance",
+        action="store_true",
+        help="a ShardRebalancer on equal workers; print the final shares "
+        "and the detector's communication events (slow-link test)",
+    )
+    parser.add_argument("--detector-window", type=int, default=9)
+    parser.add_argument(
         "--sync-every",
         type=int,
         default=0,
@@ -118,7 +125,9 @@ def main():
     with strategy.scope():
         model = helpers.id_model(
             seen,
-            [0.004, 0.0005] if args.rebalance else 0.0,
+            # --balance: equal simulated speeds (2 ms per row), so the
+            # compute the rebalancer reads is more than scheduler noise.
+            [0.004, 0.0005] if args.rebalance else 0.002 * args.balance,
             augment=augment,
             **low_communication,
         )
@@ -138,6 +147,11 @@ def main():
                 "loss": loss,
                 "time": time.time(),
             }
+            if args.balance:
+                stats = model.step_stats
+                record["compute"] = [float(v) for v in stats.compute_seconds]
+                record["call"] = stats.call_seconds
+                record["rows"] = [int(v) for v in stats.rows]
             records.write(json.dumps(record) + "\n")
             records.flush()
             os.fsync(records.fileno())
@@ -167,12 +181,15 @@ def main():
         resize=args.resize,
     )
     callbacks = [ckpt, Record()]
+    detector = None
     if timeouts is not None:
-        callbacks.append(
-            kh.callbacks.StragglerDetector(
-                hang_timeout=timeouts.watchdog, abort_on_hang=True
-            )
+        detector = kh.callbacks.StragglerDetector(
+            hang_timeout=timeouts.watchdog,
+            abort_on_hang=True,
+            window=args.detector_window,
+            patience=2 if args.balance else 3,
         )
+        callbacks.append(detector)
     if args.stop_after:
         callbacks.append(StopAfter())
     fit = dict(epochs=args.epochs, verbose=0, callbacks=callbacks)
@@ -185,17 +202,33 @@ def main():
         data = elastic_inputs.dataset(
             args.input, args.batch, strategy, args.data_dir
         )
-        if args.rebalance:
+        if args.rebalance or args.balance:
             callbacks.append(
                 kh.callbacks.ShardRebalancer(
                     data,
                     every_n_steps=3,
                     warmup_steps=1,
                     window=3,
-                    tolerance=0.0,
+                    tolerance=0.0 if args.rebalance else 0.2,
                 )
             )
         model.fit(data, **fit)
+        if args.balance:
+            events = [
+                [e.step, e.kind, e.outside_seconds, e.baseline_seconds]
+                for e in detector.communication_events
+            ]
+            stragglers = [e.replica for e in detector.events]
+            print(
+                f"worker {task} balance "
+                + json.dumps(
+                    {
+                        "shares": [float(v) for v in data.shares],
+                        "communication": events,
+                        "stragglers": stragglers,
+                    }
+                )
+            )
     if task == 0:
         np.savez(prefix + "-final.npz", *model.get_weights())
     print(
