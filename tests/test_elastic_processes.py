@@ -465,6 +465,93 @@ def test_launcher_shrinks_to_survivors_down_to_min_workers(tmp_path):
     assert [a.workers for a in result.attempts] == [4, 3, 2]
 
 
+class _Hosts:
+    """A `hosts=` for the launcher on this machine that records which hosts
+    each attempt used."""
+
+    def __init__(self):
+        self.used = []
+
+    def addresses(self, count, restart):
+        return self.addresses_of(range(count), restart)
+
+    def addresses_of(self, hosts, restart):
+        self.used.append(list(hosts))
+        return [f"127.0.0.1:{20000 + 10 * restart + h}" for h in hosts]
+
+    def command(self, host, command):
+        return [*command, str(host)]
+
+
+def test_min_workers_leaves_out_the_worker_the_hang_reports_name(tmp_path):
+    # Attempt 0: the workers on hosts 0 and 2 report worker 1 missing (as
+    # after a cut link) and exit 75; worker 1 names them both and exits 75
+    # too. The restart leaves worker 1's host out, not the last host.
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "n = int(os.environ['KERAS_HETERO_NUM_WORKERS'])\n"
+        "print('host', sys.argv[1], flush=True)\n"
+        "if n == 3:\n"
+        "    missing = [0, 2] if task == 1 else [1]\n"
+        "    with open(os.environ['KERAS_HETERO_HANG_REPORT'], 'w') as f:\n"
+        "        json.dump({'step': 7, 'missing': missing}, f)\n"
+        "    time.sleep(0.2)\n"
+        "    sys.exit(75)\n"
+    )
+    hosts, log = _Hosts(), io.StringIO()
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        3,
+        max_restarts=2,
+        min_workers=2,
+        hosts=hosts,
+        output=log,
+    )
+    assert result.exit_code == 0, log.getvalue()
+    assert hosts.used == [[0, 1, 2], [0, 2]]
+    first, second = result.attempts
+    assert first.lost == (1,) and first.hosts == (0, 1, 2)
+    assert second.workers == 2 and second.hosts == (0, 2)
+    assert "name worker(s) [1] missing; continuing on hosts [0, 2]" in (
+        log.getvalue()
+    )
+    assert "[worker 1] host 2" in log.getvalue()
+    # Without min_workers every host is used again.
+    hosts = _Hosts()
+    script.write_text(
+        "import json, os, sys\n"
+        "restart = int(os.environ['KERAS_HETERO_RESTART'])\n"
+        "with open(os.environ['KERAS_HETERO_HANG_REPORT'], 'w') as f:\n"
+        "    json.dump({'worker': 0, 'step': 1, 'missing': [1]}, f)\n"
+        "sys.exit(75 if restart == 0 else 0)\n"
+    )
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        3,
+        max_restarts=1,
+        hosts=hosts,
+        output=io.StringIO(),
+    )
+    assert result.exit_code == 0
+    assert hosts.used == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_lost_workers_needs_a_majority_of_the_others():
+    assert launcher.lost_workers({0: [2], 1: [2], 2: [0, 1]}) == [2]
+    # Two workers naming each other: nothing tells the sides apart.
+    assert launcher.lost_workers({0: [1], 1: [0]}) == []
+    assert launcher.lost_workers({0: [1]}) == [1]
+    assert launcher.lost_workers({}) == []
+    # One reporter of three naming another: not a majority of the others.
+    assert launcher.lost_workers({0: [1], 1: [], 2: []}) == []
+    # The cut-off worker names all the others; one survivor did not report
+    # (its collective failed first): the isolated reporter has no vote.
+    assert launcher.lost_workers({2: [1], 1: [0, 2]}, workers=3) == [1]
+    assert launcher.lost_workers({2: [1], 1: [0, 2]}) == []  # as if of 2
+
+
 def test_command_line_entry_point(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(

@@ -275,6 +275,27 @@ def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(
     )
 
 
+def test_min_workers_restarts_without_the_cut_off_host(tmp_path):
+    # Host 1 of 3 stays cut: the restart must leave it out (the survivors'
+    # hang reports name it), not the last host.
+    with kh.testing.NetworkHosts(3) as net:
+        thread, box, log, out = _start(net, tmp_path, min_workers=2)
+        _wait_for_step(out, 6, log=log)
+        cut_at = time.monotonic()
+        net.cut(1)
+        result, restored = _finish(thread, box, log, out, attempts=2)
+        done = time.monotonic() - cut_at
+    first, second = result.attempts
+    assert first.lost == (1,), (first, log.text()[-3000:])
+    assert second.hosts == (0, 2) and second.workers == 2, second
+    line = log.first("[launcher] the others' hang reports name")[1]
+    print(
+        f"3 hosts, host 1 cut for good at step >= 6: {line}; resumed after "
+        f"step {restored[1]} with 2 workers, finished {done:.1f}s after "
+        "the cut"
+    )
+
+
 def test_cut_shorter_than_the_timeout_continues_without_restart(tmp_path):
     with kh.testing.NetworkHosts(2) as net:
         thread, box, log, out = _start(net, tmp_path)

@@ -7,9 +7,11 @@ the command line (`keras-hetero run`, `python -m keras_hetero.run`);
 
 from keras_hetero.launcher.cli import main as main
 from keras_hetero.launcher.cli import run_main as run_main
+from keras_hetero.launcher.group import HANG_REPORT_ENV as HANG_REPORT_ENV
 from keras_hetero.launcher.group import NUM_WORKERS_ENV as NUM_WORKERS_ENV
 from keras_hetero.launcher.group import RESTART_ENV as RESTART_ENV
 from keras_hetero.launcher.group import Attempt as Attempt
 from keras_hetero.launcher.group import LaunchResult as LaunchResult
 from keras_hetero.launcher.group import launch as launch
+from keras_hetero.launcher.group import lost_workers as lost_workers
 from keras_hetero.launcher.ports import free_ports as free_ports

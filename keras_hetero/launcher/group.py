@@ -4,13 +4,18 @@ Each worker is `python SCRIPT ARGS` with `TF_CONFIG` naming a cluster of
 `workers` tasks on free 127.0.0.1 ports, and these variables:
 
 - `KERAS_HETERO_RESTART`: how many times the group was restarted (0 first);
-- `KERAS_HETERO_NUM_WORKERS`: workers in this attempt.
+- `KERAS_HETERO_NUM_WORKERS`: workers in this attempt;
+- `KERAS_HETERO_HANG_REPORT`: a file where `StragglerDetector`'s hang
+  watchdog writes which workers it found missing (see `min_workers`).
 
 Every output line is prefixed with `[worker i]`. When a worker exits with a
 non-zero status, the others are stopped (SIGTERM, then SIGKILL after
 `grace_seconds`) and the group starts again on new ports, up to
 `max_restarts` times: with the same number of workers, or, with
-`min_workers`, with the survivors (but not fewer than `min_workers`).
+`min_workers`, with the survivors (but not fewer than `min_workers`). The
+survivors are those the others' hang reports do not name: after a cut
+link, every worker exits and the one the others name stays out (its host
+too, with `hosts=`); without reports, the group keeps its first workers.
 Training continues where it was if the script uses
 `kh.callbacks.ElasticCheckpoint`. Ctrl-C (SIGINT) or SIGTERM to the launcher
 sends SIGTERM to every worker (ElasticCheckpoint saves and stops), waits
@@ -23,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,6 +37,7 @@ from keras_hetero.launcher.ports import free_ports
 
 RESTART_ENV = "KERAS_HETERO_RESTART"
 NUM_WORKERS_ENV = "KERAS_HETERO_NUM_WORKERS"
+HANG_REPORT_ENV = "KERAS_HETERO_HANG_REPORT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +48,17 @@ class Attempt:
         workers: How many workers it had.
         exit_codes: Each worker's exit status (negative: killed by signal).
         failed: Indices of the workers that failed first.
+        hosts: The host index of each worker (`hosts=`), else
+            `range(workers)`.
+        lost: Workers the others' hang reports named missing (a majority
+            of the other reporters named each), in worker indices.
     """
 
     workers: int
     exit_codes: tuple
     failed: tuple
+    hosts: tuple = ()
+    lost: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +98,10 @@ def launch(
         max_restarts: Restarts after failures before giving up, >= 0.
             Defaults to `3`.
         min_workers: If set, a restart keeps only the survivors (failed
-            workers are not replaced) but at least this many. Defaults to
-            None (always `workers`).
+            workers are not replaced) but at least this many: the workers
+            the others' hang reports name stay out (with `hosts=`, their
+            hosts too), else the group keeps its first workers. Defaults
+            to None (always `workers`).
         grace_seconds: How long stopped workers get to exit before SIGKILL.
             Defaults to `30.0`.
         env: Extra environment variables for the workers. Defaults to None.
@@ -96,9 +111,10 @@ def launch(
             (`127.0.0.1`, free ports), or an object with
             `addresses(count, restart)` (the `"ip:port"` of each worker in
             `TF_CONFIG`) and `command(index, command)` (the command that
-            runs `command` on worker `index`'s host, e.g. `ssh HOST ...`
-            or `ip netns exec NS ...`), such as
-            `kh.testing.NetworkHosts`. Defaults to None.
+            runs `command` on host `index`, e.g. `ssh HOST ...` or `ip
+            netns exec NS ...`), such as `kh.testing.NetworkHosts`; with
+            `addresses_of(host_indices, restart)` too, a restart can leave
+            out a lost worker's host. Defaults to None.
         backoff_seconds: Wait before the first restart; each further
             restart of an attempt that failed within
             `backoff_seconds * 2 ** k` seconds of its start waits twice as
@@ -170,16 +186,26 @@ def launch(
         else {}
     )
     attempts = []
-    count = workers
+    live = list(range(workers))  # the host of each worker
     delay = float(backoff_seconds)
     try:
         for restart in range(max_restarts + 1):
+            count = len(live)
             started = time.monotonic()
-            codes, failed = group.run_attempt(
-                command, count, restart, env or {}
+            codes, failed, reports = group.run_attempt(
+                command, live, restart, env or {}
             )
             lasted = time.monotonic() - started
-            attempts.append(Attempt(count, tuple(codes), tuple(failed)))
+            lost = lost_workers(reports, count)
+            attempts.append(
+                Attempt(
+                    count,
+                    tuple(codes),
+                    tuple(failed),
+                    tuple(live),
+                    tuple(lost),
+                )
+            )
             if group.interrupted is not None:
                 code = 128 + group.interrupted
                 return LaunchResult(code, tuple(attempts))
@@ -195,7 +221,18 @@ def launch(
                 _say(output, f"[launcher] no restarts left; exit {status}")
                 return LaunchResult(status, tuple(attempts))
             if min_workers is not None:
-                count = max(min_workers, count - len(failed))
+                live = _survivors(live, failed, lost, min_workers, hosts)
+                if lost:
+                    _say(
+                        output,
+                        f"[launcher] the others' hang reports name worker(s) "
+                        f"{lost} missing"
+                        + (
+                            f"; continuing on hosts {live}"
+                            if hosts is not None
+                            else ""
+                        ),
+                    )
             if delay > 0:
                 _say(
                     output,
@@ -214,7 +251,7 @@ def launch(
                     if quick
                     else float(backoff_seconds)
                 )
-            _say(output, f"[launcher] restarting with {count} worker(s)")
+            _say(output, f"[launcher] restarting with {len(live)} worker(s)")
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -246,16 +283,18 @@ class _Group:
         while self.interrupted is None and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def run_attempt(self, command, count, restart, extra_env):
+    def run_attempt(self, command, live, restart, extra_env):
+        count = len(live)
         if self.hosts is None:
             ports = free_ports(count)
             addresses = [f"127.0.0.1:{port}" for port in ports]
             where = f"on ports {ports}"
         else:
-            addresses = list(self.hosts.addresses(count, restart))
+            addresses = list(_addresses(self.hosts, live, restart))
             where = f"at {addresses}"
         cluster = {"worker": addresses}
         self.processes, readers = [], []
+        reports = tempfile.mkdtemp(prefix="keras_hetero_hang_")
         for index in range(count):
             env = dict(os.environ)
             env.update(extra_env)
@@ -264,10 +303,11 @@ class _Group:
             )
             env[RESTART_ENV] = str(restart)
             env[NUM_WORKERS_ENV] = str(count)
+            env[HANG_REPORT_ENV] = os.path.join(reports, f"worker{index}.json")
             env.setdefault("PYTHONUNBUFFERED", "1")
             argv = list(command)
             if self.hosts is not None:
-                argv = list(self.hosts.command(index, argv))
+                argv = list(self.hosts.command(live[index], argv))
             process = subprocess.Popen(
                 argv,
                 env=env,
@@ -302,7 +342,7 @@ class _Group:
         codes = [p.wait() for p in self.processes]
         for reader in readers:
             reader.join(timeout=5)
-        return codes, failed
+        return codes, failed, _read_reports(reports, count)
 
     def _relay(self, index, process):
         for raw in iter(process.stdout.readline, b""):
@@ -345,3 +385,93 @@ def _say(output, line):
 
 def _status(code):
     return 128 - code if code < 0 else code
+
+
+def _addresses(hosts, live, restart):
+    """The `TF_CONFIG` addresses of the workers on hosts `live`."""
+    if callable(getattr(hosts, "addresses_of", None)):
+        return hosts.addresses_of(list(live), restart)
+    return hosts.addresses(len(live), restart)
+
+
+def _read_reports(directory, count):
+    """{worker: [missing workers]} from the hang reports written in
+    `directory` (then removed)."""
+    reports = {}
+    for index in range(count):
+        path = os.path.join(directory, f"worker{index}.json")
+        try:
+            with open(path) as f:
+                reports[index] = [int(w) for w in json.load(f)["missing"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no report (or half written): no vote
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
+    return reports
+
+
+def lost_workers(reports, workers=None):
+    """The workers a majority of the OTHER reporters name missing.
+
+    After a cut link every worker that can still report does: the
+    survivors name the cut-off worker, and it names all the others (it
+    reaches no one). With three or more workers, a reporter that finds
+    every other worker missing is taken to be the isolated one: its report
+    has no vote, and it is lost if another reporter names it. With two
+    workers each names the other, which tells the sides apart no more than
+    no report: none is lost (unless only one of them reported).
+
+    Args:
+        reports: `{worker: [workers it found missing]}`.
+        workers: How many workers the attempt had. Defaults to the
+            number of reporters.
+
+    Returns:
+        The lost workers, sorted; empty when the reports do not agree.
+
+    Example:
+
+    >>> lost_workers({0: [2], 1: [2], 2: [0, 1]})
+    [2]
+    >>> lost_workers({2: [1], 1: [0, 2]}, workers=3)
+    [1]
+    >>> lost_workers({0: [1], 1: [0]})
+    []
+    """
+    workers = len(reports) if workers is None else workers
+    isolated = {
+        r
+        for r, named in reports.items()
+        if workers >= 3 and set(named) >= set(range(workers)) - {r}
+    }
+    voters = {r: named for r, named in reports.items() if r not in isolated}
+    lost = []
+    for worker in sorted({w for named in reports.values() for w in named}):
+        others = [r for r in voters if r != worker]
+        votes = sum(worker in voters[r] for r in others)
+        if others and 2 * votes > len(others):
+            lost.append(worker)
+    # Everyone named by a majority (two workers naming each other): no
+    # information about which side is cut.
+    if len(lost) >= len(reports) and len(reports) > 1:
+        return []
+    return lost
+
+
+def _survivors(live, failed, lost, min_workers, hosts):
+    """The hosts of the next attempt under `min_workers`: the first
+    `len(live) - len(lost or failed)` (at least `min_workers`), the lost
+    workers' hosts last (left out when the hosts can be picked)."""
+    count = max(min_workers, len(live) - len(lost or failed))
+    if hosts is None:
+        return list(range(count))
+    if not callable(getattr(hosts, "addresses_of", None)):
+        return list(range(count))  # hosts 0..count-1 only
+    kept = [host for index, host in enumerate(live) if index not in lost]
+    return (kept + [host for host in live if host not in kept])[:count]

@@ -1,5 +1,6 @@
 """`StragglerDetector`: finds slow replicas and stuck workers."""
 
+import json
 import logging
 import os
 import threading
@@ -11,6 +12,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero.callbacks import base
+from keras_hetero.launcher.group import HANG_REPORT_ENV
 from keras_hetero.report import writer
 from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import scoring as straggler
@@ -537,8 +539,14 @@ class _Watchdog:
             if elapsed < self.timeout:
                 continue
             self._reported = step
+            # Tells the other survivors this worker is waiting here too: it
+            # may exit (and its heartbeat stop) while they still decide.
+            _publish_waiting(self._task, step)
             stalled = [w for w in others if not _reached(w, step)]
-            silent = heartbeats.silent([w for w in others if w not in stalled])
+            silent = heartbeats.silent(
+                [w for w in others if w not in stalled],
+                waiting=lambda task, step=step: _waiting(task, step),
+            )
             missing = sorted(stalled + silent)
             self.detector.hangs.append((step, missing))
             logger.error(
@@ -549,6 +557,7 @@ class _Watchdog:
                 missing,
                 f" (unreachable: {silent})" if silent else "",
             )
+            _write_report(self._task, step, missing)
             if self.detector.abort_on_hang:
                 if self._task == 0 and self._workers > 1:
                     # Worker 0 holds the coordination service: the other
@@ -558,6 +567,40 @@ class _Watchdog:
                     self._stop.wait(heartbeats.window + self.period)
                 logging.shutdown()
                 os._exit(StragglerDetector.HANG_EXIT_CODE)
+
+
+def _write_report(task, step, missing):
+    """Tells the launcher (`kh.launcher.launch` sets `HANG_REPORT_ENV` to a
+    file per worker) which workers this one found missing: with
+    `min_workers`, a restart leaves out those most reports name."""
+    path = os.environ.get(HANG_REPORT_ENV)
+    if not path:
+        return
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"worker": task, "step": step, "missing": missing}, f)
+        os.replace(path + ".tmp", path)
+    except OSError as error:
+        logger.warning(
+            "StragglerDetector: no hang report at %s: %s", path, error
+        )
+
+
+def _waiting_key(task, step):
+    return f"keras_hetero/waiting/{task}/{step}"
+
+
+def _publish_waiting(task, step):
+    """Marks that worker `task` found step `step` hung (it is alive)."""
+    try:
+        _compat.set_coordination_value(_waiting_key(task, step), "1")
+    except Exception:  # unreachable service: what the others detect
+        pass
+
+
+def _waiting(task, step):
+    """Whether worker `task` found step `step` hung too (waits 0.1 s)."""
+    return _compat.has_coordination_value(_waiting_key(task, step), 100)
 
 
 def _progress_key(task, step):
@@ -611,10 +654,11 @@ class _Heartbeats:
             if last is None or (value is not None and value != last[0]):
                 self._seen[task] = (value, now)
 
-    def silent(self, tasks):
+    def silent(self, tasks, waiting=lambda task: False):
         """The workers of `tasks` whose heartbeat has not moved for
-        `window` seconds, reading on until each has moved or that long
-        has passed since it last moved (cut off, or dead)."""
+        `window` seconds, reading on until each has moved, says it is
+        `waiting` at the same step, or that long has passed since it last
+        moved (cut off, or dead)."""
         undecided, silent = set(tasks), []
         known = {t for t in tasks if t in self._seen}
         while True:
@@ -625,6 +669,8 @@ class _Heartbeats:
                 value, changed = self._seen[task]
                 if task in before and value != before[task]:
                     undecided.discard(task)  # it beat again: alive
+                elif waiting(task):
+                    undecided.discard(task)  # it reports the hang too
                 elif now - changed >= self.window:
                     undecided.discard(task)
                     silent.append(task)

@@ -146,8 +146,20 @@ class NetworkHosts:
                 f"Invalid value for argument `workers`. Received: {count} "
                 f"workers. Expected at most the {self.hosts} hosts."
             )
+        return self.addresses_of(range(count), restart)
+
+    def addresses_of(self, hosts, restart):
+        """The `TF_CONFIG` addresses of workers on hosts `hosts` (in that
+        order) for attempt `restart`: the launcher's way to leave a lost
+        host out of a restart."""
+        bad = [h for h in hosts if h not in range(self.hosts)]
+        if bad:
+            raise ValueError(
+                f"Invalid value for argument `hosts`. Received: {list(hosts)}."
+                f" Expected host indices in [0, {self.hosts - 1}]."
+            )
         result = []
-        for host in range(count):
+        for host in hosts:
             port = 21000 + 50 * (restart % 100) + host
             if host in self.relayed:
                 self._relay(host, port)
