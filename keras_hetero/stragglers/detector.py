@@ -297,7 +297,12 @@ class StragglerDetector(base.HeteroCallback):
         stats = getattr(self.model, "step_stats", None)
         call = getattr(stats, "call_seconds", None)
         compute = np.nanmax(seconds) if np.isfinite(seconds).any() else None
-        if call is None or compute is None or measured != steps:
+        if (
+            self._communication is None  # not inside a fit
+            or call is None
+            or compute is None
+            or measured != steps
+        ):
             return  # plain model, XLA (no clocks) or low-communication
         event = self._communication.step(self._steps, call, compute, steps)
         if event is None:
