@@ -469,9 +469,7 @@ def _survivors(live, failed, lost, min_workers, hosts):
     `len(live) - len(lost or failed)` (at least `min_workers`), the lost
     workers' hosts last (left out when the hosts can be picked)."""
     count = max(min_workers, len(live) - len(lost or failed))
-    if hosts is None:
-        return list(range(count))
-    if not callable(getattr(hosts, "addresses_of", None)):
-        return list(range(count))  # hosts 0..count-1 only
+    if hosts is None or not callable(getattr(hosts, "addresses_of", None)):
+        return list(range(count))  # local, or hosts 0..count-1 only
     kept = [host for index, host in enumerate(live) if index not in lost]
     return (kept + [host for host in live if host not in kept])[:count]

@@ -257,7 +257,7 @@ class StragglerDetector(base.HeteroCallback):
             self._watchdog.step_started(self._steps + 1)
 
     def on_train_batch_end(self, batch, logs=None):
-        rows, seconds, steps, measured, devices = self._observation()
+        rows, seconds, steps, measured, devices, call = self._observation()
         if steps == 0:  # ParameterServerStrategy: no step finished yet
             return
         self._steps += steps
@@ -279,7 +279,7 @@ class StragglerDetector(base.HeteroCallback):
             relative_threshold=self.relative_threshold,
             min_excess_seconds=self.min_excess_seconds,
         )
-        self._follow_communication(seconds, steps, measured, changes)
+        self._follow_communication(call, seconds, steps, measured, changes)
         for replica, kind, relative, individual in changes:
             self._emit(
                 straggler.StragglerEvent(
@@ -293,9 +293,7 @@ class StragglerDetector(base.HeteroCallback):
                 )
             )
 
-    def _follow_communication(self, seconds, steps, measured, changes):
-        stats = getattr(self.model, "step_stats", None)
-        call = getattr(stats, "call_seconds", None)
+    def _follow_communication(self, call, seconds, steps, measured, changes):
         compute = np.nanmax(seconds) if np.isfinite(seconds).any() else None
         if (
             self._communication is None  # not inside a fit
@@ -339,6 +337,7 @@ class StragglerDetector(base.HeteroCallback):
                 stats.steps,
                 stats.measured_steps,
                 stats.devices,
+                stats.call_seconds,
             )
         # Plain keras.Model: this worker's wall time per batch, one "row".
         seconds = time.perf_counter() - (self._batch_start or 0.0)
@@ -348,6 +347,7 @@ class StragglerDetector(base.HeteroCallback):
             1,
             1,
             [_distribute.env_task().device_job],
+            None,  # no call time: the time outside compute is not followed
         )
 
     def on_epoch_end(self, epoch, logs=None):
@@ -665,9 +665,10 @@ class _Heartbeats:
         `waiting` at the same step, or that long has passed since it last
         moved (cut off, or dead)."""
         undecided, silent = set(tasks), []
-        known = {t for t in tasks if t in self._seen}
         while True:
-            before = {t: self._seen[t][0] for t in undecided if t in known}
+            # A change is one seen by this read (a task not read before
+            # has none yet).
+            before = {t: self._seen[t][0] for t in undecided if t in self._seen}
             self.read(sorted(undecided))
             now = time.monotonic()
             for task in sorted(undecided):
@@ -679,7 +680,6 @@ class _Heartbeats:
                 elif now - changed >= self.window:
                     undecided.discard(task)
                     silent.append(task)
-            known = set(tasks)
             if not undecided:
                 return sorted(silent)
             time.sleep(self.period / 4)

@@ -121,7 +121,7 @@ class TelemetrySource:
 
     def snapshot(self, call_seconds=None):
         """Marks the end of one train-function call (`call_seconds`: its
-        host time, added up until the next `step_stats`)."""
+        host time, for the next `step_stats`)."""
         raise NotImplementedError
 
     def step_stats(self):
