@@ -23,12 +23,15 @@ class EnvTask:
         task_index: The index within `task_type` (0 without `TF_CONFIG`).
         num_workers: Chief and worker tasks of the cluster (at least 1).
         has_chief: Whether the cluster has a `chief` task.
+        addresses: The chief's and the workers' `"host:port"`, in global
+            worker order (`worker_index`).
     """
 
     task_type: object = None
     task_index: int = 0
     num_workers: int = 1
     has_chief: bool = False
+    addresses: tuple = ()
 
     @property
     def worker_index(self):
@@ -70,6 +73,8 @@ def env_task(environ=None):
         task_index=int(task.get("index", 0) or 0),
         num_workers=max(workers, 1),
         has_chief="chief" in cluster,
+        addresses=tuple(cluster.get("chief", []))
+        + tuple(cluster.get("worker", [])),
     )
 
 

@@ -10,7 +10,8 @@ of each train-function call (`StepStats.call_seconds`) minus the slowest
 replica's compute, per step, against its own baseline.
 
 Which link is slow is not visible from one worker's step: in an all-reduce
-every worker waits for the slowest transfer alike.
+every worker waits for the slowest transfer alike. `links` probes the
+paths between the workers to name the one behind it.
 """
 
 import collections
@@ -32,6 +33,14 @@ class CommunicationEvent:
         baseline_seconds: The same median at the start of training.
         compute_seconds: Median compute seconds per step (slowest replica)
             over the last `window` readings.
+        workers: The workers (global indices, as in `TF_CONFIG`: the chief
+            first) behind the slow link, from the probes between workers;
+            `()` when not known (one worker, probes off, or no probe was
+            slow).
+        slow_links: The slow probes, `(from, to, seconds, reference)`
+            tuples: the probe from worker `from` to worker `to` took
+            `seconds` (`inf`: no answer), `reference` at the start (None:
+            not measured in this fit).
     """
 
     step: int
@@ -39,6 +48,8 @@ class CommunicationEvent:
     outside_seconds: float
     baseline_seconds: float
     compute_seconds: float
+    workers: tuple = ()
+    slow_links: tuple = ()
 
 
 class CommunicationTracker:

@@ -1,5 +1,6 @@
 """`StragglerDetector`: finds slow replicas and stuck workers."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from keras_hetero.callbacks import base
 from keras_hetero.launcher.group import HANG_REPORT_ENV
 from keras_hetero.report import writer
 from keras_hetero.stragglers import communication
+from keras_hetero.stragglers import links
 from keras_hetero.stragglers import scoring as straggler
 
 logger = logging.getLogger("keras_hetero")
@@ -74,7 +76,14 @@ class StragglerDetector(base.HeteroCallback):
     recovers). No action is taken: shares cannot help with a slow link,
     and `ShardRebalancer` sizes shares by compute seconds, which a slow
     link does not change. Every worker waits for the slowest transfer
-    alike, so the event does not name a link.
+    alike, so under MultiWorkerMirroredStrategy (with `probe_links=True`)
+    the workers also probe the paths to each other (
+    an HTTP/2 PING with 64 KiB of padding to each peer's TensorFlow
+    server, in a thread, once when the baseline is set and once at the
+    event) and exchange the rows through the coordination service; the
+    event, held until its probes are in (at most about `10 s`), names the
+    workers behind the slow link (`CommunicationEvent.workers`) and the
+    slow probes (`slow_links`).
 
     Hang watchdog (multi-worker): with `hang_timeout` seconds set, a thread
     notices when a train step (after the first of the `fit`, which traces,
@@ -112,6 +121,9 @@ class StragglerDetector(base.HeteroCallback):
             reports; None disables it. Defaults to None.
         abort_on_hang: Exit the process after reporting a hang. Defaults to
             `False`.
+        probe_links: Under MultiWorkerMirroredStrategy, probe the links
+            between workers to name the one behind a slow link. Defaults
+            to `True`.
 
     Raises:
         ValueError: For `threshold` or `relative_threshold` outside
@@ -143,6 +155,7 @@ class StragglerDetector(base.HeteroCallback):
         abort_on_hang=False,
         relative_threshold=None,
         min_excess_seconds=straggler.MIN_EXCESS_SECONDS,
+        probe_links=True,
     ):
         super().__init__()
         for name, value in (
@@ -210,11 +223,14 @@ class StragglerDetector(base.HeteroCallback):
         self.log_dir = log_dir
         self.hang_timeout = hang_timeout
         self.abort_on_hang = abort_on_hang
+        self.probe_links = bool(probe_links)
         self.events = []
         self.communication_events = []
         self.hangs = []
         self._scorer = None
         self._communication = None
+        self._links = None
+        self._pending = None
         self._writer = None
         self._watchdog = None
 
@@ -231,6 +247,8 @@ class StragglerDetector(base.HeteroCallback):
         )
         if restored is not None:
             self._communication.set_state(restored)
+        self._links = self._make_links()
+        self._pending = None
         self._steps = 0
         self._batch_start = None
         if self.log_dir is not None and self._writer is None:
@@ -241,6 +259,12 @@ class StragglerDetector(base.HeteroCallback):
             self._watchdog.start()
 
     def on_train_end(self, logs=None):
+        if self._pending is not None:
+            # Its probes end within their wait (the others' rows).
+            self._release(wait=self._links.wait_seconds + 10)
+        if self._links is not None:
+            self._links.close()
+            self._links = None
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -302,21 +326,69 @@ class StragglerDetector(base.HeteroCallback):
             or measured != steps
         ):
             return  # plain model, XLA (no clocks) or low-communication
+        measuring = self._communication.baseline is None
         event = self._communication.step(self._steps, call, compute, steps)
+        if self._links is not None and measuring:
+            if self._communication.baseline is not None:
+                # The healthy reference of the probes, with the baseline.
+                self._links.start(reference=True)
+        if self._pending is not None:
+            self._release(wait=0.0, now=event is not None)
         if event is None:
             return
+        if event.kind == "communication" and self._links is not None:
+            self._pending = (event, self._links.start(), bool(changes))
+            return
+        self._report(event, bool(changes))
+
+    def _make_links(self):
+        task = _distribute.env_task()
+        strategy = getattr(self.model, "distribute_strategy", None)
+        if (
+            not self.probe_links
+            or task.num_workers < 2
+            or len(task.addresses) != task.num_workers
+            or strategy is None
+            or not _distribute.is_multi_worker(strategy)
+        ):
+            return None
+        return links.LinkRounds(task.worker_index, task.addresses)
+
+    def _release(self, wait, now=False):
+        """Reports the held slow-link event once its probe round is in
+        (or `now`, with what is known)."""
+        event, number, changed = self._pending
+        result = self._links.result(number, timeout=wait)
+        if result is None and not now and wait == 0.0:
+            return
+        self._pending = None
+        if result is not None:
+            seconds, pairs, workers = result
+            reference = self._links.reference
+            event = dataclasses.replace(
+                event,
+                workers=workers,
+                slow_links=tuple(
+                    (a, b, seconds[(a, b)], reference.get((a, b)))
+                    for a, b in pairs
+                ),
+            )
+        self._report(event, changed)
+
+    def _report(self, event, changed):
         self.communication_events.append(event)
         if event.kind == "communication":
             logger.warning(
                 "StragglerDetector: steps are slowed by communication at "
                 "step %d: %.1f ms per step outside compute (%.1f ms at the "
                 "start), compute %.1f ms per step%s; a slow network link "
-                "(or input), not a slow device: shares are left alone.",
+                "(or input), not a slow device: shares are left alone.%s",
                 event.step,
                 1000 * event.outside_seconds,
                 1000 * event.baseline_seconds,
                 1000 * event.compute_seconds,
-                "" if not changes else ", and a replica changed speed",
+                "" if not changed else ", and a replica changed speed",
+                _behind_text(event),
             )
         else:
             logger.warning(
@@ -448,6 +520,26 @@ class StragglerDetector(base.HeteroCallback):
         self._restored_communication = state.get("communication")
         if self._communication is not None and self._restored_communication:
             self._communication.set_state(self._restored_communication)
+
+
+def _behind_text(event):
+    if not event.workers:
+        return ""
+    probes = ", ".join(
+        f"{a}->{b} {_ms(seconds)}"
+        + ("" if reference is None else f" ({_ms(reference)} at the start)")
+        for a, b, seconds, reference in event.slow_links
+    )
+    return (
+        f" Probes between the workers put worker(s) {list(event.workers)} "
+        f"behind the slow link (slow probes: {probes})."
+    )
+
+
+def _ms(seconds):
+    if seconds == float("inf"):
+        return "no answer"
+    return f"{1000 * seconds:.1f} ms"
 
 
 def _worker_of(replica, devices):

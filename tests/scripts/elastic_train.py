@@ -215,7 +215,14 @@ def main():
         model.fit(data, **fit)
         if args.balance:
             events = [
-                [e.step, e.kind, e.outside_seconds, e.baseline_seconds]
+                [
+                    e.step,
+                    e.kind,
+                    e.outside_seconds,
+                    e.baseline_seconds,
+                    list(e.workers),
+                    [list(link) for link in e.slow_links],
+                ]
                 for e in detector.communication_events
             ]
             stragglers = [e.replica for e in detector.events]
