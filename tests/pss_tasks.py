@@ -202,6 +202,63 @@ def killed_worker(cluster, events):
     }
 
 
+def cut_worker(cluster, events):
+    """At step 8 asks the test to cut worker 1's link (it stays cut while
+    epoch 0 goes on); epoch 1 waits until the test restored it. Returns
+    the per-worker steps and the seconds epoch 0 took after the cut."""
+    import time
+
+    import numpy as np
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+
+    strategy = _strategy(cluster)
+    model = _model(strategy, slow=0.002)
+    marks = {}
+
+    class Cut(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 7 and "cut" not in marks:
+                events.put("cut")
+                events.get(timeout=60)  # the link is down
+                marks["cut"] = time.monotonic()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                marks["epoch0_end"] = time.monotonic()
+                marks["at_epoch0_end"] = (
+                    runner.telemetry.steps_per_worker.copy()
+                )
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                events.get(timeout=120)  # restored
+                time.sleep(3)  # the coordinator reconnects to it
+
+    runner = model._parameter_server()
+    history = model.fit(
+        _batched,
+        epochs=2,
+        steps_per_epoch=30,
+        verbose=0,
+        callbacks=[Cut()],
+    )
+    telemetry = runner.telemetry
+    return {
+        "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "steps_per_worker": telemetry.steps_per_worker.tolist(),
+        "unattributed_steps": telemetry.unattributed_steps,
+        "at_epoch0_end": marks["at_epoch0_end"].tolist(),
+        "epoch0_after_cut": marks["epoch0_end"] - marks["cut"],
+        "finite": bool(
+            all(np.all(np.isfinite(w)) for w in model.get_weights())
+        ),
+        "flavour": kh.FLAVOUR,
+    }
+
+
 def checkpoint_resume(cluster, events, directory, steps_per_execution=1):
     """Stops after step 6 (the checkpoint saves it); a fresh model resumes
     there: epoch 0 step 6, the saved weights and optimizer step."""

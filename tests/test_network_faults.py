@@ -334,8 +334,11 @@ def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
     )
 
 
-def test_slow_link_is_reported_as_communication_not_a_slow_device(tmp_path):
-    with kh.testing.NetworkHosts(2, relayed=(1,)) as net:
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_slow_link_is_reported_as_communication_not_a_slow_device(
+    tmp_path, hosts
+):
+    with kh.testing.NetworkHosts(hosts, relayed=(1,)) as net:
         thread, box, log, out = _start(
             net,
             tmp_path,
@@ -353,12 +356,18 @@ def test_slow_link_is_reported_as_communication_not_a_slow_device(tmp_path):
         if " balance {" in line:
             worker = int(line.split("[worker ")[1].split("]")[0])
             balances[worker] = json.loads(line.split(" balance ", 1)[1])
-    assert sorted(balances) == [0, 1], log.text()[-3000:]
+    assert sorted(balances) == list(range(hosts)), log.text()[-3000:]
     for worker, balance in balances.items():
         events = balance["communication"]
         assert [e[1] for e in events] == ["communication"], (worker, events)
-        step, _, outside, baseline = events[0]
+        step, _, outside, baseline, behind, slow_links = events[0]
         assert step > slowed_at and outside > 2 * baseline, events
+        # The probes between the workers name the one behind the relay:
+        # only the probes *to* it are slow.
+        assert behind == [1], events
+        assert [link[:2] for link in slow_links] == [
+            [w, 1] for w in range(hosts) if w != 1
+        ], events
         # The compute did not change: no replica is a straggler, and the
         # rebalancer (which sizes shares by compute) kept them equal.
         assert balance["stragglers"] == [], balance
@@ -366,7 +375,10 @@ def test_slow_link_is_reported_as_communication_not_a_slow_device(tmp_path):
             steps = [json.loads(line) for line in f]
         seen = [(s["step"], s["rows"], s["compute"], s["call"]) for s in steps]
         np.testing.assert_allclose(
-            balance["shares"], [0.5, 0.5], atol=0.1, err_msg=str(seen)
+            balance["shares"],
+            [1 / hosts] * hosts,
+            atol=0.1,
+            err_msg=str(seen),
         )
     line = log.first("[worker 0] StragglerDetector: steps are slowed")[1]
     print(
@@ -397,3 +409,97 @@ def test_launcher_backs_off_between_quick_failures(tmp_path):
     assert result.exit_code == 3 and len(result.attempts) == 4
     assert waits == [0.5, 1.0, 1.0]  # doubled, then capped
     assert time.monotonic() - started >= 2.5
+
+
+_PSS_SERVER = (
+    "import json, sys; sys.path.insert(0, sys.argv[1]); import workers_lib; "
+    "workers_lib.pss_server(json.loads(sys.argv[2]), sys.argv[3], "
+    "int(sys.argv[4]))"
+)
+
+
+def test_parameter_server_worker_cut_and_restored_finishes():
+    """ParameterServerStrategy: the ps on host 0, workers on hosts 1 and 2,
+    the coordinator in the root namespace (on the bridge). Worker 1's link
+    is cut at step 8 for 10 s: the step in flight on worker 1 finishes once
+    the link is back, the epoch waits for it, every scheduled step is done
+    and worker 1 takes steps again. No watchdog or launcher is involved."""
+    import multiprocessing
+
+    import pss_tasks
+
+    spawn = multiprocessing.get_context("spawn")
+    tests = os.path.dirname(__file__)
+    with kh.testing.NetworkHosts(3) as net:
+        ports = kh.testing.free_ports(4)
+        spec = {
+            "ps": [f"{net.address(0)}:{ports[0]}"],
+            "worker": [
+                f"{net.address(1)}:{ports[1]}",
+                f"{net.address(2)}:{ports[2]}",
+            ],
+            "chief": [f"{net.bridge_address}:{ports[3]}"],
+        }
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        env.pop("TF_CONFIG", None)
+        servers = [
+            net.popen(
+                host,
+                [
+                    sys.executable,
+                    "-c",
+                    _PSS_SERVER,
+                    tests,
+                    json.dumps(spec),
+                    job,
+                    str(index),
+                ],
+                env=env,
+            )
+            for host, (job, index) in enumerate(
+                [("ps", 0), ("worker", 0), ("worker", 1)]
+            )
+        ]
+        queue, events = spawn.Queue(), spawn.Queue()
+        coordinator = spawn.Process(
+            target=pss_tasks.run,
+            args=("cut_worker", spec, queue, events, ()),
+            daemon=True,
+        )
+        coordinator.start()
+        try:
+            assert events.get(timeout=240) == "cut"
+            net.cut(2)
+            cut_at = time.monotonic()
+            events.put("down")
+            time.sleep(10)
+            net.restore(2)
+            restored_at = time.monotonic()
+            events.put("restored")
+            status, value = queue.get(timeout=300)
+            finished_at = time.monotonic()
+        finally:
+            if coordinator.is_alive():
+                coordinator.kill()
+            coordinator.join()
+            for server in servers:
+                server.kill()
+                server.wait()
+    assert status == "ok", value
+    assert value["finite"] and len(value["loss"]) == 2, value
+    done = sum(value["steps_per_worker"]) + value["unattributed_steps"]
+    assert done == 60, value
+    at_end0 = value["at_epoch0_end"]
+    # No RPC fails within a 10 s cut, so TF does not reschedule the step in
+    # flight on worker 1: the epoch's end waits for it until the link is
+    # back (then TCP retransmits).
+    assert value["epoch0_after_cut"] > restored_at - cut_at, value
+    # Worker 1 is used again after the restore.
+    assert value["steps_per_worker"][1] - at_end0[1] > 0, value
+    print(
+        f"PSS: worker 1 cut at step 8 for {restored_at - cut_at:.1f} s; "
+        f"epoch 0 ended {value['epoch0_after_cut']:.1f} s after the cut "
+        f"(steps per worker then {at_end0}); finished "
+        f"{finished_at - restored_at:.1f} s after the restore; steps per "
+        f"worker {value['steps_per_worker']}"
+    )
