@@ -223,40 +223,44 @@ def test_a_round_goes_on_without_a_worker_that_never_publishes(store):
         assert pairs == [(0, 2), (1, 2)] and named == (2,)
 
 
-def test_detector_holds_the_slow_link_event_until_the_probes_name_the_worker(
-    store, caplog, monkeypatch
-):
-    stats = []
+class _Worker0:
+    """StragglerDetector on worker 0 of 2 with fake probes (100 ms to a
+    slowed address) and worker 1's rows already in the store (its path to
+    worker 0 is fast)."""
 
-    class Model:
-        @property
-        def step_stats(self):
-            return stats[-1]
+    def __init__(self, store, monkeypatch, state=None):
+        self.stats, self.slowed, self.made = [], set(), []
+        stats = self.stats
 
-    slowed = set()
-    made = []
+        class Model:
+            @property
+            def step_stats(self):
+                return stats[-1]
 
-    def make_links(detector):
-        made.append(
-            links.LinkRounds(0, ["h0:1", "h1:1"], probe=_prober(slowed))
+        def make_links(detector):
+            self.made.append(
+                links.LinkRounds(
+                    0, ["h0:1", "h1:1"], probe=_prober(self.slowed)
+                )
+            )
+            return self.made[-1]
+
+        monkeypatch.setattr(
+            kh.callbacks.StragglerDetector, "_make_links", make_links
         )
-        return made[-1]
+        for number in range(2):
+            store.set(f"keras_hetero/links/0/{number}/1", '{"0": 0.0003}')
+        self.detector = kh.callbacks.StragglerDetector(window=3, patience=2)
+        if state is not None:
+            self.detector.set_state(state)
+        self.detector.set_model(Model())
+        self.detector.on_train_begin()
 
-    monkeypatch.setattr(
-        kh.callbacks.StragglerDetector, "_make_links", make_links
-    )
-    # Worker 1's rows, as it would publish them: its path to 0 is fast.
-    for number in range(2):
-        store.set(f"keras_hetero/links/0/{number}/1", '{"0": 0.0003}')
-    detector = kh.callbacks.StragglerDetector(window=3, patience=2)
-    detector.set_model(Model())
-    detector.on_train_begin()
-
-    def steps(count, call, compute):
+    def steps(self, count, call, compute):
         for _ in range(count):
-            stats.append(
+            self.stats.append(
                 kh.StepStats(
-                    step=len(stats) + 1,
+                    step=len(self.stats) + 1,
                     steps=1,
                     rows=np.array([4, 4]),
                     compute_seconds=np.array([compute, compute]),
@@ -264,9 +268,20 @@ def test_detector_holds_the_slow_link_event_until_the_probes_name_the_worker(
                     call_seconds=call,
                 )
             )
-            detector.on_train_batch_begin(0)
-            detector.on_train_batch_end(0)
+            self.detector.on_train_batch_begin(0)
+            self.detector.on_train_batch_end(0)
 
+
+def test_detector_holds_the_slow_link_event_until_the_probes_name_the_worker(
+    store, caplog, monkeypatch
+):
+    worker = _Worker0(store, monkeypatch)
+    detector, made, slowed, steps = (
+        worker.detector,
+        worker.made,
+        worker.slowed,
+        worker.steps,
+    )
     with caplog.at_level(logging.WARNING, logger="keras_hetero"):
         steps(5, 0.030, 0.020)  # the baseline, and the reference probes
         assert made[0].result(0, timeout=10) is not None
@@ -282,6 +297,34 @@ def test_detector_holds_the_slow_link_event_until_the_probes_name_the_worker(
     assert "put worker(s) [1] behind the slow link" in caplog.text
     assert "0->1 100.0 ms (0.3 ms at the start)" in caplog.text
     detector.on_train_end()
+
+
+def test_a_run_resumed_on_a_slow_link_compares_with_the_fastest_probe(
+    store, monkeypatch
+):
+    # The baseline comes from the checkpoint: no healthy probe round in
+    # this fit, the first round is the event's.
+    state = {
+        "scores": None,
+        "steps": 0,
+        "communication": {"baseline": 0.010, "slow": False},
+    }
+    worker = _Worker0(store, monkeypatch, state=state)
+    worker.slowed.add("h1:1")
+    worker.steps(4, 0.080, 0.020)
+    assert worker.made[0].result(0, timeout=10) is not None
+    worker.steps(1, 0.080, 0.020)
+    (event,) = worker.detector.communication_events
+    assert worker.made[0].reference == {}
+    assert event.workers == (1,)
+    assert event.slow_links == ((0, 1, pytest.approx(0.1), None),)
+    worker.detector.on_train_end()
+
+
+def test_probe_links_false_makes_no_probes(monkeypatch):
+    monkeypatch.setattr(links, "LinkRounds", None)  # would fail if made
+    detector = kh.callbacks.StragglerDetector(probe_links=False)
+    assert detector._make_links() is None
 
 
 def test_detector_does_not_probe_outside_multi_worker_training():

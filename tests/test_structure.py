@@ -237,22 +237,30 @@ def test_every_module_is_listed():
 @pytest.mark.parametrize(
     "config, expected",
     [
-        (None, (None, 0, 1, 0, True, "/job:worker/task:0")),
-        ("not json", (None, 0, 1, 0, True, "/job:worker/task:0")),
+        (None, (None, 0, 1, 0, True, "/job:worker/task:0", ())),
+        ("not json", (None, 0, 1, 0, True, "/job:worker/task:0", ())),
         (
             '{"cluster": {"worker": ["a:1", "b:2"]},'
             ' "task": {"type": "worker", "index": 1}}',
-            ("worker", 1, 2, 1, False, "/job:worker/task:1"),
+            ("worker", 1, 2, 1, False, "/job:worker/task:1", ("a:1", "b:2")),
         ),
         (
             '{"cluster": {"chief": ["c:0"], "worker": ["a:1", "b:2"]},'
             ' "task": {"type": "worker", "index": 0}}',
-            ("worker", 0, 3, 1, False, "/job:worker/task:0"),
+            (
+                "worker",
+                0,
+                3,
+                1,
+                False,
+                "/job:worker/task:0",
+                ("c:0", "a:1", "b:2"),  # global order: the chief first
+            ),
         ),
         (
             '{"cluster": {"chief": ["c:0"], "worker": ["a:1"]},'
             ' "task": {"type": "chief", "index": 0}}',
-            ("chief", 0, 2, 0, True, "/job:chief/task:0"),
+            ("chief", 0, 2, 0, True, "/job:chief/task:0", ("c:0", "a:1")),
         ),
     ],
 )
@@ -266,6 +274,7 @@ def test_env_task_reads_tf_config(config, expected):
         task.worker_index,
         task.is_chief,
         task.device_job,
+        task.addresses,
     ) == expected
 
 
