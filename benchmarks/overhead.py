@@ -93,6 +93,13 @@ def _local_logs():
         yield
 
 
+def _no_divide():
+    # Timing only: the gradients are then wrong by the factor of the rows.
+    from keras_hetero.training import aggregation
+
+    return _patched(aggregation, "divide", lambda grads, divisor: list(grads))
+
+
 @contextlib.contextmanager
 def _all_off():
     with _no_clocks(), _no_record(), _local_logs():
@@ -105,6 +112,7 @@ PROFILE = {
     "no telemetry record": (_no_record, False),
     "local metrics read": (_local_logs, False),
     "Keras' input split": (contextlib.nullcontext, True),
+    "no gradient divide (wrong values)": (_no_divide, False),
     "all four off": (_all_off, True),
 }
 

@@ -321,6 +321,21 @@ def test_a_run_resumed_on_a_slow_link_compares_with_the_fastest_probe(
     worker.detector.on_train_end()
 
 
+def test_an_event_whose_probes_find_no_slow_path_says_so(
+    store, caplog, monkeypatch
+):
+    worker = _Worker0(store, monkeypatch)  # nothing slowed: input, say
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        worker.steps(5, 0.030, 0.020)
+        worker.steps(4, 0.080, 0.020)
+        assert worker.made[0].result(1, timeout=10) is not None
+        worker.steps(1, 0.080, 0.020)
+    (event,) = worker.detector.communication_events
+    assert event.workers == () and event.slow_links == ()
+    assert "found no slow path" in caplog.text
+    worker.detector.on_train_end()
+
+
 def test_probe_links_false_makes_no_probes(monkeypatch):
     monkeypatch.setattr(links, "LinkRounds", None)  # would fail if made
     detector = kh.callbacks.StragglerDetector(probe_links=False)

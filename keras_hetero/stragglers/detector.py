@@ -77,10 +77,10 @@ class StragglerDetector(base.HeteroCallback):
     and `ShardRebalancer` sizes shares by compute seconds, which a slow
     link does not change. Every worker waits for the slowest transfer
     alike, so under MultiWorkerMirroredStrategy (with `probe_links=True`)
-    the workers also probe the paths to each other (
-    an HTTP/2 PING with 64 KiB of padding to each peer's TensorFlow
-    server, in a thread, once when the baseline is set and once at the
-    event) and exchange the rows through the coordination service; the
+    the workers also probe the paths to each other (an HTTP/2 PING with
+    64 KiB of padding to each peer's TensorFlow server, in a thread, once
+    when the baseline is set and once at the event) and exchange the rows
+    through the coordination service; the
     event, held until its probes are in (at most about `10 s`), names the
     workers behind the slow link (`CommunicationEvent.workers`) and the
     slow probes (`slow_links`).
@@ -359,8 +359,8 @@ class StragglerDetector(base.HeteroCallback):
         (or `now`, with what is known)."""
         event, number, changed = self._pending
         result = self._links.result(number, timeout=wait)
-        if result is None and not now and wait == 0.0:
-            return
+        if result is None and not (now or wait):
+            return  # not in yet: asked again at the next batch end
         self._pending = None
         if result is not None:
             seconds, pairs, workers = result
@@ -373,9 +373,9 @@ class StragglerDetector(base.HeteroCallback):
                     for a, b in pairs
                 ),
             )
-        self._report(event, changed)
+        self._report(event, changed, probed=result is not None)
 
-    def _report(self, event, changed):
+    def _report(self, event, changed, probed=False):
         self.communication_events.append(event)
         if event.kind == "communication":
             logger.warning(
@@ -388,7 +388,7 @@ class StragglerDetector(base.HeteroCallback):
                 1000 * event.baseline_seconds,
                 1000 * event.compute_seconds,
                 "" if not changed else ", and a replica changed speed",
-                _behind_text(event),
+                _behind_text(event, probed),
             )
         else:
             logger.warning(
@@ -522,9 +522,14 @@ class StragglerDetector(base.HeteroCallback):
             self._communication.set_state(self._restored_communication)
 
 
-def _behind_text(event):
-    if not event.workers:
+def _behind_text(event, probed):
+    if not probed:
         return ""
+    if not event.workers:
+        return (
+            " Probes between the workers found no slow path (the time may "
+            "be the input's, or on a path the probes do not take)."
+        )
     probes = ", ".join(
         f"{a}->{b} {_ms(seconds)}"
         + ("" if reference is None else f" ({_ms(reference)} at the start)")
