@@ -152,77 +152,26 @@ def slow_worker(cluster, events):
     }
 
 
-def killed_worker(cluster, events):
-    """At step 8 asks the test to kill and restart worker 1; fit goes on,
-    and in epoch 2 the restarted worker takes steps again."""
+def _fault_at_step_8(cluster, events, ask, steps_per_epoch, slow):
+    """Two epochs; at step 8 puts `ask` and waits for the test's answer
+    (the fault is in place), epoch 1 waits for the test's next message
+    (the worker is back). Returns the model, its runner, the history and
+    the per-worker steps at the fault and at epoch 0's end, with times."""
     import time
 
-    import numpy as np
-
-    import keras_hetero as kh
     from keras_hetero._compat import keras
 
     strategy = _strategy(cluster)
-    model = _model(strategy, slow=0.001)
-
-    telemetry = {}
-
-    class AskForKill(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 7 and not telemetry:
-                events.put("kill")
-                events.get(timeout=60)  # worker 1 killed
-                telemetry["at_kill"] = runner.telemetry.steps_per_worker.copy()
-
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                events.get(timeout=120)  # worker 1 is listening again
-                time.sleep(3)  # the coordinator reconnects to it
-
-    runner = model._parameter_server()
-    history = model.fit(
-        _batched,
-        epochs=2,
-        steps_per_epoch=15,
-        verbose=0,
-        callbacks=[AskForKill()],
-    )
-    after_kill = runner.telemetry.steps_per_worker - telemetry["at_kill"]
-    telemetry = runner.telemetry
-    return {
-        "loss": history.history["loss"],
-        "iterations": int(model.optimizer.iterations.numpy()),
-        "steps_per_worker": telemetry.steps_per_worker.tolist(),
-        "unattributed_steps": telemetry.unattributed_steps,
-        "after_kill": after_kill.tolist(),
-        "finite": bool(
-            all(np.all(np.isfinite(w)) for w in model.get_weights())
-        ),
-        "flavour": kh.FLAVOUR,
-    }
-
-
-def cut_worker(cluster, events):
-    """At step 8 asks the test to cut worker 1's link (it stays cut while
-    epoch 0 goes on); epoch 1 waits until the test restored it. Returns
-    the per-worker steps and the seconds epoch 0 took after the cut."""
-    import time
-
-    import numpy as np
-
-    import keras_hetero as kh
-    from keras_hetero._compat import keras
-
-    strategy = _strategy(cluster)
-    model = _model(strategy, slow=0.002)
+    model = _model(strategy, slow=slow)
     marks = {}
 
-    class Cut(keras.callbacks.Callback):
+    class Fault(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 7 and "cut" not in marks:
-                events.put("cut")
-                events.get(timeout=60)  # the link is down
-                marks["cut"] = time.monotonic()
+            if batch == 7 and "fault" not in marks:
+                events.put(ask)
+                events.get(timeout=60)  # the fault is in place
+                marks["fault"] = time.monotonic()
+                marks["at_fault"] = runner.telemetry.steps_per_worker.copy()
 
         def on_epoch_end(self, epoch, logs=None):
             if epoch == 0:
@@ -233,30 +182,61 @@ def cut_worker(cluster, events):
 
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == 1:
-                events.get(timeout=120)  # restored
+                events.get(timeout=120)  # the worker is back
                 time.sleep(3)  # the coordinator reconnects to it
 
     runner = model._parameter_server()
     history = model.fit(
         _batched,
         epochs=2,
-        steps_per_epoch=30,
+        steps_per_epoch=steps_per_epoch,
         verbose=0,
-        callbacks=[Cut()],
+        callbacks=[Fault()],
     )
-    telemetry = runner.telemetry
+    return model, runner.telemetry, history, marks
+
+
+def _fault_result(model, telemetry, history):
+    import numpy as np
+
+    import keras_hetero as kh
+
     return {
         "loss": history.history["loss"],
         "iterations": int(model.optimizer.iterations.numpy()),
         "steps_per_worker": telemetry.steps_per_worker.tolist(),
         "unattributed_steps": telemetry.unattributed_steps,
-        "at_epoch0_end": marks["at_epoch0_end"].tolist(),
-        "epoch0_after_cut": marks["epoch0_end"] - marks["cut"],
         "finite": bool(
             all(np.all(np.isfinite(w)) for w in model.get_weights())
         ),
         "flavour": kh.FLAVOUR,
     }
+
+
+def killed_worker(cluster, events):
+    """At step 8 asks the test to kill and restart worker 1; fit goes on,
+    and in epoch 2 the restarted worker takes steps again."""
+    model, telemetry, history, marks = _fault_at_step_8(
+        cluster, events, "kill", steps_per_epoch=15, slow=0.001
+    )
+    result = _fault_result(model, telemetry, history)
+    result["after_kill"] = (
+        telemetry.steps_per_worker - marks["at_fault"]
+    ).tolist()
+    return result
+
+
+def cut_worker(cluster, events):
+    """At step 8 asks the test to cut worker 1's link (it stays cut while
+    epoch 0 goes on); epoch 1 waits until the test restored it. Returns
+    the per-worker steps and the seconds epoch 0 took after the cut."""
+    model, telemetry, history, marks = _fault_at_step_8(
+        cluster, events, "cut", steps_per_epoch=30, slow=0.002
+    )
+    result = _fault_result(model, telemetry, history)
+    result["at_epoch0_end"] = marks["at_epoch0_end"].tolist()
+    result["epoch0_after_cut"] = marks["epoch0_end"] - marks["fault"]
+    return result
 
 
 def checkpoint_resume(cluster, events, directory, steps_per_execution=1):
