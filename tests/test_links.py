@@ -21,12 +21,11 @@ from keras_hetero.stragglers import links
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return kh.testing.free_ports(1)[0]
 
 
-def test_probe_times_a_tensorflow_server_and_inf_where_nothing_answers():
+def _tf_server():
+    """Starts a one-worker TensorFlow server; returns its port."""
     port = _free_port()
     tf.distribute.Server(
         tf.train.ClusterSpec({"worker": [f"127.0.0.1:{port}"]}),
@@ -34,6 +33,11 @@ def test_probe_times_a_tensorflow_server_and_inf_where_nothing_answers():
         task_index=0,
         start=True,
     )
+    return port
+
+
+def test_probe_times_a_tensorflow_server_and_inf_where_nothing_answers():
+    port = _tf_server()
     seconds = [links.probe_seconds(f"127.0.0.1:{port}") for _ in range(5)]
     assert all(0 < s < 1.0 for s in seconds), seconds
     # Nothing listens: refused at once.
@@ -51,13 +55,7 @@ def test_probe_times_a_tensorflow_server_and_inf_where_nothing_answers():
 def test_probe_carries_its_padding_through_a_slow_path():
     """Through a relay that paces bytes, a probe with padding takes the
     bandwidth's time; one without padding does not."""
-    port = _free_port()
-    tf.distribute.Server(
-        tf.train.ClusterSpec({"worker": [f"127.0.0.1:{port}"]}),
-        job_name="worker",
-        task_index=0,
-        start=True,
-    )
+    port = _tf_server()
     relay = socket.socket()
     relay.bind(("127.0.0.1", 0))
     relay.listen(4)

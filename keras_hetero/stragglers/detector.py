@@ -328,10 +328,10 @@ class StragglerDetector(base.HeteroCallback):
             return  # plain model, XLA (no clocks) or low-communication
         measuring = self._communication.baseline is None
         event = self._communication.step(self._steps, call, compute, steps)
-        if self._links is not None and measuring:
-            if self._communication.baseline is not None:
-                # The healthy reference of the probes, with the baseline.
-                self._links.start(reference=True)
+        set_now = measuring and self._communication.baseline is not None
+        if self._links is not None and set_now:
+            # The healthy reference of the probes, with the baseline.
+            self._links.start(reference=True)
         if self._pending is not None:
             self._release(wait=0.0, now=event is not None)
         if event is None:

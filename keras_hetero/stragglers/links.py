@@ -16,6 +16,7 @@ event), and each finds, from the same matrix, the fewest workers that
 every slow probe touches: the workers behind the slow links.
 """
 
+import itertools
 import json
 import math
 import os
@@ -38,8 +39,7 @@ _MAX_FRAME = 16384  # HTTP/2's default SETTINGS_MAX_FRAME_SIZE
 
 # Counts the fits of this process: the exchange keys of one fit are not
 # those of the next (the coordination service outlives a fit).
-_fits = iter(range(1 << 62))
-_fits_lock = threading.Lock()
+_fits = itertools.count()
 
 
 def _frame(kind, flags, payload):
@@ -201,8 +201,7 @@ class LinkRounds:
         self.repeats = int(repeats)
         self.wait_seconds = float(wait_seconds)
         self.probe = probe
-        with _fits_lock:
-            self._fit = next(_fits)
+        self._fit = next(_fits)
         self._rounds = 0
         self.reference = {}
         self._results = {}
@@ -262,7 +261,8 @@ class LinkRounds:
                 row[peer] = statistics.median(
                     self.probe(address) for _ in range(self.repeats)
                 )
-        text = json.dumps({str(p): _finite(s) for p, s in row.items()})
+        # JSON's Infinity (Python's json reads and writes it) for no answer.
+        text = json.dumps({str(p): s for p, s in row.items()})
         try:
             _compat.set_coordination_value(self._key(number, self.task), text)
         except Exception:  # no coordination service: this row only
@@ -278,15 +278,9 @@ class LinkRounds:
             if text is None:
                 continue  # unreachable, or slower than the wait
             for peer, value in json.loads(text).items():
-                seconds[(other, int(peer))] = (
-                    math.inf if value is None else value
-                )
+                seconds[(other, int(peer))] = value
         if reference:
             self.reference = dict(seconds)
             return seconds, [], ()
         pairs = slow_pairs(seconds, self.reference)
         return seconds, pairs, behind(pairs)
-
-
-def _finite(value):
-    return value if math.isfinite(value) else None
