@@ -112,6 +112,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/split_pipeline.py
 	$(BIN)/python benchmarks/rebalance.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/checkpoint.py

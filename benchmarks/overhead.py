@@ -100,20 +100,45 @@ def _no_divide():
     return _patched(aggregation, "divide", lambda grads, divisor: list(grads))
 
 
+def _python_bounds():
+    # The split's bounds from a Python callback per global batch, as before
+    # the in-graph copy of the schedule (data/bounds.py): `numpy_function`
+    # over the schedule's own rule, at the benchmark's equal shares.
+    import tensorflow as tf
+
+    from keras_hetero.data import bounds as bounds_lib
+    from keras_hetero.data import shares as shares_lib
+
+    def bounds(self, index, total_rows):
+        schedule = shares_lib.ShareSchedule(
+            np.full(self.num_replicas, 1.0 / self.num_replicas)
+        )
+        result = tf.numpy_function(
+            schedule.next_bounds, [index, total_rows], tf.int64
+        )
+        result.set_shape([self.num_replicas + 1])
+        return result
+
+    return _patched(bounds_lib.PipelineSplit, "bounds", bounds)
+
+
 @contextlib.contextmanager
 def _all_off():
     with _no_clocks(), _no_record(), _local_logs():
         yield
 
 
-# name -> (patch made while tracing, Keras' own input split)
+# name -> (patch made while tracing, input: "shared" (the HeteroModel
+# run's kh.data.shard dataset), "own" (a kh.data.shard dataset of its own,
+# built under the patch) or "keras" (Keras' own input split))
 PROFILE = {
-    "no clocks": (_no_clocks, False),
-    "no telemetry record": (_no_record, False),
-    "local metrics read": (_local_logs, False),
-    "Keras' input split": (contextlib.nullcontext, True),
-    "no gradient divide (wrong values)": (_no_divide, False),
-    "all four off": (_all_off, True),
+    "no clocks": (_no_clocks, "shared"),
+    "no telemetry record": (_no_record, "shared"),
+    "local metrics read": (_local_logs, "shared"),
+    "Keras' input split": (contextlib.nullcontext, "keras"),
+    "no gradient divide (wrong values)": (_no_divide, "shared"),
+    "split bounds by a Python callback (before)": (_python_bounds, "own"),
+    "all four off": (_all_off, "keras"),
 }
 
 
@@ -166,10 +191,15 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
         ),
     }
     if profile:
-        for name, (patch, keras_split) in PROFILE.items():
+        for name, (patch, source) in PROFILE.items():
+            data = {
+                "shared": sharded,
+                "own": kh.data.shard(examples, batch, strategy=strategy),
+                "keras": batched,
+            }[source]
             runs[f"HeteroModel, {name}"] = (
                 build(kh.HeteroModel, strategy, width, k),
-                batched if keras_split else sharded,
+                data,
                 patch,
             )
     for model, data, patch in runs.values():  # warm-up: tracing

@@ -28,6 +28,7 @@ from keras_hetero._compat.data import array_class_weights as array_class_weights
 from keras_hetero._compat.data import class_weight_map_fn as class_weight_map_fn
 from keras_hetero._compat.data import dataset_graph as dataset_graph
 from keras_hetero._compat.data import global_shuffle as global_shuffle
+from keras_hetero._compat.data import host_variable as host_variable
 from keras_hetero._compat.data import (
     set_steps_of_distributed_dataset as set_steps_of_distributed_dataset,
 )

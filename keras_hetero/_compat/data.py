@@ -176,3 +176,23 @@ def without_partial_batch_check(distributed):
     if hasattr(distributed, "_enable_get_next_as_optional"):
         distributed._enable_get_next_as_optional = False
     return distributed
+
+
+def host_variable(initial_value, shape=None):
+    """A plain resource variable on the current device, also inside a
+    strategy's scope.
+
+    `tf.Variable` inside `strategy.scope()` goes through the strategy's
+    variable creator and becomes a MirroredVariable (or, under
+    ParameterServerStrategy, lives on a parameter server). A `kh.data.shard`
+    dataset is often made inside the scope, yet its pipeline's own state
+    (data/bounds.py) must be one local variable next to the pipeline.
+    Constructing TF's `ResourceVariable` class directly skips the creator
+    stack (`VariableMetaclass.__call__` routes only `tf.Variable(...)`
+    through it; unchanged in TF 2.19-2.21). Not trainable.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.ResourceVariable(
+        initial_value, trainable=False, shape=shape
+    )

@@ -11,6 +11,7 @@ from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
+from keras_hetero.data import bounds as bounds_lib
 from keras_hetero.data import reproducibility
 from keras_hetero.data import shares as shares_lib
 
@@ -528,12 +529,14 @@ class HeteroDataset:
         if repeat:
             batches = batches.repeat()
 
+        if self._schedule.mirror is None:
+            # Views (`with_options`, ...) share the schedule and its copy.
+            self._schedule.attach(bounds_lib.PipelineSplit(self.num_replicas))
+        mirror = self._schedule.mirror
+
         def split(index, batch):
-            total_rows = _batches.batch_rows(batch)
-            bounds = tf.numpy_function(
-                self._schedule.next_bounds, [index, total_rows], tf.int64
-            )
-            bounds.set_shape([self.num_replicas + 1])
+            # In-graph, from the schedule's copy: no Python per batch.
+            bounds = mirror.bounds(index, _batches.batch_rows(batch))
             slices = []
             for replica in range(first_replica, first_replica + local_replicas):
                 start, end = bounds[replica], bounds[replica + 1]

@@ -114,17 +114,42 @@ class ShareSchedule:
         self._pass = -1
         self._next_index = 0
         self._skip_examples = 0
+        self._mirror = None
+
+    @property
+    def mirror(self):
+        """The in-graph copy the pipeline splits by (`attach`), or None."""
+        return self._mirror
+
+    def attach(self, mirror):
+        """Lets the input pipeline split by `mirror`, a copy of this
+        schedule it reads without Python (`kh.data.bounds.PipelineSplit`).
+
+        From then on the pipeline's position is the mirror's, and every
+        change is published to it; `next_bounds` is no longer called.
+        """
+        with self._lock:
+            self._mirror = mirror
+            mirror.publish(self._changes)
+
+    def _cursor(self):
+        """`(pass, next index)`; pass -1 before the first batch."""
+        if self._mirror is not None:
+            return self._mirror.cursor()
+        return self._pass, self._next_index
 
     @property
     def position(self):
         """`(pass, index)` of the next global batch the pipeline will split."""
         with self._lock:
-            return (max(self._pass, 0), self._next_index)
+            number, index = self._cursor()
+            return (max(number, 0), index)
 
     @property
     def passes_started(self):
         """How many passes over the data the pipeline has started."""
-        return self._pass + 1
+        with self._lock:
+            return self._cursor()[0] + 1
 
     def shares_at(self, key):
         """The shares that split global batch `key = (pass, index)`."""
@@ -157,13 +182,25 @@ class ShareSchedule:
         Returns:
             The `(pass, index)` from which the shares apply.
         """
+        shares = np.asarray(shares, np.float64)
         with self._lock:
-            next_unsplit = (max(self._pass, 0), self._next_index)
+            number, index = self._cursor()
+            next_unsplit = (max(number, 0), index)
             start = next_unsplit if at is None else max(tuple(at), next_unsplit)
             # A change replaces any later-scheduled one.
-            self._changes = [c for c in self._changes if c[0] < start]
-            self._changes.append((start, np.asarray(shares, np.float64)))
+            changes = self._replaced(start, shares)
+            if self._mirror is not None:
+                took = self._mirror.publish(changes, start)
+                if took != start:
+                    # The pipeline split `start` (and maybe more) before the
+                    # change reached it: record where it did take effect.
+                    start, changes = took, self._replaced(took, shares)
+                    self._mirror.publish(changes)
+            self._changes = changes
             return start
+
+    def _replaced(self, start, shares):
+        return [c for c in self._changes if c[0] < start] + [(start, shares)]
 
     def skip_examples(self, count):
         """Makes the next pass start after its first `count` examples."""
@@ -207,3 +244,5 @@ class ShareSchedule:
                 (tuple(start), np.asarray(shares, np.float64))
                 for start, shares in state["changes"]
             ]
+            if self._mirror is not None:
+                self._mirror.publish(self._changes)

@@ -1,0 +1,124 @@
+"""The input split alone: host time per global batch, stock vs kh.data.shard.
+
+Each run iterates a distributed dataset under MirroredStrategy on
+`--replicas` logical CPUs with a trivial step (one sum per replica), so the
+time per global batch is the input pipeline's: stock
+`experimental_distribute_dataset` of the batched examples (Keras' own
+split, even), a second stock run (A/A), `kh.data.shard` (bounds in-graph
+from the schedule's copy, data/bounds.py) and `kh.data.shard` with the
+bounds from a Python callback per global batch (the code before). Runs
+alternate within each round; we report the median wall and process CPU
+time per global batch and the median of the rounds' ratios to stock.
+
+Run: `python benchmarks/split_pipeline.py` (2 replicas), `--replicas 4`.
+"""
+
+import argparse
+import datetime
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+from overhead import _python_bounds  # noqa: E402
+
+import keras_hetero as kh  # noqa: E402
+
+GLOBAL_BATCH = 256
+BATCHES = 300
+
+
+def measure(strategy, rounds):
+    import tensorflow as tf
+
+    batch = GLOBAL_BATCH - GLOBAL_BATCH % strategy.num_replicas_in_sync
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * BATCHES, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(batch * BATCHES,)).astype("int32")
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+
+    def stock():
+        return strategy.experimental_distribute_dataset(examples.batch(batch))
+
+    def sharded():
+        return kh.data.shard(
+            examples, batch, strategy=strategy
+        ).as_distributed_dataset()
+
+    def python_bounds():
+        with _python_bounds():
+            return sharded()
+
+    runs = {
+        "stock": stock,
+        "stock (A/A)": stock,
+        "kh.data.shard": sharded,
+        "kh.data.shard, bounds by a Python callback (before)": python_bounds,
+    }
+
+    def make_step():
+        @tf.function
+        def step(iterator):
+            return strategy.run(
+                lambda part: tf.reduce_sum(tf.nest.flatten(part)[0]),
+                args=(next(iterator),),
+            )
+
+        return step
+
+    steps = {name: make_step() for name in runs}
+    wall = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
+    for number in range(rounds):
+        order = list(runs) if number % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            iterator = iter(runs[name]())
+            step = steps[name]
+            step(iterator)  # tracing, the pipeline's first batch
+            timed = BATCHES - 2
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(timed):
+                step(iterator)
+            wall[name].append((time.perf_counter() - start_wall) / timed)
+            cpu[name].append((time.process_time() - start_cpu) / timed)
+    rows = []
+    for name in runs:
+        wall_ratio = np.median(np.divide(wall[name], wall["stock"]))
+        cpu_ratio = np.median(np.divide(cpu[name], cpu["stock"]))
+        rows.append(
+            f"| {name} | {1000 * np.median(wall[name]):.3f} | "
+            f"{wall_ratio:.3f} | {1000 * np.median(cpu[name]):.3f} | "
+            f"{cpu_ratio:.3f} |"
+        )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    devices = kh.testing.logical_cpus(args.replicas)
+    strategy = kh.testing.mirrored(devices)
+    print(
+        f"split pipeline benchmark, {datetime.date.today()}, Keras flavour "
+        f"{kh.FLAVOUR}, MirroredStrategy on {args.replicas} logical CPUs, "
+        f"global batch {GLOBAL_BATCH - GLOBAL_BATCH % args.replicas}, "
+        f"{args.rounds} alternating rounds of {BATCHES} global batches, "
+        f"load average at start {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores"
+    )
+    print()
+    print(
+        "| input | wall per global batch (ms) | wall ratio to stock | "
+        "CPU per global batch (ms) | CPU ratio to stock |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    print("\n".join(measure(strategy, args.rounds)))
+    print()
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
