@@ -276,6 +276,18 @@ def test_with_options_prefetch_and_cache_keep_the_split():
     np.testing.assert_allclose(view.shares, [0.25, 0.75])
 
 
+def test_pipeline_runs_without_the_autotuning_thread():
+    # With tf.data's autotuning thread, destroying the iterator of a fit
+    # stopped mid-epoch blocked for as long as the fit had run (up to 60 s):
+    # docs/benchmarks.md, "Input iterator teardown".
+    dataset = _ids_dataset(helpers.mirrored(DEVICES[:2]), [0.5, 0.5])
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    for view in (dataset, dataset.with_options(options)):
+        pipeline = view._pipeline(tf.distribute.InputContext(), repeat=False)
+        assert pipeline.options().autotune.enabled is False
+
+
 def test_with_options_refuses_what_breaks_exactly_once():
     dataset = kh.data.shard(helpers.examples(), 16)
     data_policy = tf.data.Options()
