@@ -74,6 +74,42 @@ def test_run_workers_kills_on_timeout():
     assert results[0].exit_code != 0
 
 
+def _environment_and_flavour():
+    import os
+
+    from keras_hetero import _compat
+
+    return {
+        "marker": os.environ.get("KH_TEST_MARKER"),
+        "legacy": _compat.IS_LEGACY,
+        "pid": os.getpid(),
+    }
+
+
+@pytest.mark.slow
+def test_run_workers_pass_the_callers_environment_now(monkeypatch):
+    from keras_hetero import _compat
+
+    kh.testing.run_workers(_report, 1, timeout=60)  # the forkserver starts
+    marker = "set after the forkserver started"
+    monkeypatch.setenv("KH_TEST_MARKER", marker)
+    results = kh.testing.run_workers(_environment_and_flavour, 2, timeout=60)
+    values = [r.value for r in results]
+    assert [v["marker"] for v in values] == [marker] * 2
+    assert [v["legacy"] for v in values] == [_compat.IS_LEGACY] * 2
+    assert values[0]["pid"] != values[1]["pid"]
+
+
+def test_run_workers_spawn_when_an_import_time_variable_changed(monkeypatch):
+    from keras_hetero.testing import workers
+
+    monkeypatch.setattr(workers, "_server", {})
+    assert workers._context().get_start_method() == "forkserver"
+    assert workers._context().get_start_method() == "forkserver"
+    monkeypatch.setenv("KERAS_BACKEND", "jax-not-what-the-server-has")
+    assert workers._context().get_start_method() == "spawn"
+
+
 def test_run_workers_rejects_bad_counts():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="num_workers"):
