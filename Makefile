@@ -31,7 +31,7 @@ OLD_STAMP := $(OLD_VENV)/.installed
 MULTI_WORKER_TEST := tests/test_multi_worker.py::test_fit_evaluate_predict_match_single_device[2w-75_25]
 
 .PHONY: install install-oldest demo test test-quick test-keras3 test-legacy \
-	test-quick-keras3 test-quick-legacy test-oldest test-oldest-keras3 \
+	test-legacy-all test-quick-keras3 test-quick-legacy test-oldest test-oldest-keras3 \
 	test-oldest-legacy conformance lint bench docs clean
 
 $(STAMP): pyproject.toml
@@ -70,7 +70,17 @@ test-keras3: $(STAMP)
 	$(BIN)/python $(PYTEST) tests -m "not serial"; status=$$?; \
 	$(BIN)/python $(SERIAL) tests || status=1; exit $$status
 
+# tf-keras: every test but the `one_flavour` cases, whose axis lies below
+# Keras (the Keras 3 run has them all; docs/versions.md, "CI").
 test-legacy: $(STAMP)
+	export TF_USE_LEGACY_KERAS=1; \
+	$(BIN)/python $(PYTEST) tests -m "not serial and not one_flavour"; \
+	status=$$?; \
+	$(BIN)/python -m pytest -m "serial and not one_flavour" --durations=5 \
+		tests || status=1; exit $$status
+
+## tf-keras with the `one_flavour` cases too.
+test-legacy-all: $(STAMP)
 	export TF_USE_LEGACY_KERAS=1; \
 	$(BIN)/python $(PYTEST) tests -m "not serial"; status=$$?; \
 	$(BIN)/python $(SERIAL) tests || status=1; exit $$status
@@ -113,6 +123,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/split_pipeline.py
+	$(BIN)/python benchmarks/teardown.py
 	$(BIN)/python benchmarks/rebalance.py
 	$(BIN)/python benchmarks/straggler.py
 	$(BIN)/python benchmarks/checkpoint.py

@@ -661,11 +661,13 @@ class _Watchdog:
             )
             _write_report(self._task, step, missing)
             if self.detector.abort_on_hang:
-                if self._task == 0 and self._workers > 1:
+                if self._task == 0 and len(missing) < len(others):
                     # Worker 0 holds the coordination service: the other
                     # survivors read its heartbeat and the others' there.
                     # Leaving at once would make it look cut off to those
-                    # still deciding (up to one heartbeat window).
+                    # still deciding (up to one heartbeat window). With no
+                    # other survivor it leaves at once: lingering only gave
+                    # TF's own heartbeat error time to end it with exit 1.
                     self._stop.wait(heartbeats.window + self.period)
                 logging.shutdown()
                 os._exit(StragglerDetector.HANG_EXIT_CODE)

@@ -1,0 +1,136 @@
+"""Input iterator teardown: the wait after a fit that was stopped mid-epoch.
+
+Each run is a fresh process: MirroredStrategy on 2 logical CPUs, a one-layer
+model, a fit that a callback stops after `--seconds` (as EarlyStopping,
+ElasticCheckpoint's resume tests or a notebook's interrupted cell leave an
+input iterator half read), then `del` of the model and the dataset and
+`gc.collect()`, timed. Variants: stock Keras on
+`experimental_distribute_dataset` (twice: A/A), HeteroModel on
+`kh.data.shard` as it is, and the same with tf.data's autotuning put back
+(the code before 2026-12-03). Runs alternate within each round; we report
+the median teardown in seconds and its ratio to stock.
+
+Run: `python benchmarks/teardown.py` (`--seconds 5 20 --rounds 2`).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+VARIANTS = (
+    "stock",
+    "stock (A/A)",
+    "kh.data.shard",
+    "kh.data.shard, tf.data autotuning on (before)",
+)
+
+
+def child(variant, seconds):
+    import gc
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero import keras
+
+    kh.testing.logical_cpus(2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * 200_000, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+
+    class StopAfter(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.started = time.monotonic()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if time.monotonic() - self.started > seconds:
+                self.model.stop_training = True
+
+    stock = variant.startswith("stock")
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        model_class = keras.Model if stock else kh.HeteroModel
+        model = model_class(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    if stock:
+        data = examples.batch(64)
+    else:
+        data = kh.data.shard(examples, 64, strategy=strategy)
+        if "autotuning on" in variant:
+            data = _with_autotuning(data)
+    model.fit(data, epochs=1, verbose=0, callbacks=[StopAfter()])
+    started = time.monotonic()
+    del model, data
+    gc.collect()
+    return time.monotonic() - started
+
+
+def _with_autotuning(data):
+    """The pipeline as it was: tf.data's autotuning thread left on."""
+    import tensorflow as tf
+
+    pipeline = data._pipeline
+    options = tf.data.Options()
+    options.autotune.enabled = True
+
+    def with_autotuning(*args, **kwargs):
+        return pipeline(*args, **kwargs).with_options(options)
+
+    data._pipeline = with_autotuning
+    return data
+
+
+def measure(variant, seconds):
+    output = subprocess.run(
+        [sys.executable, __file__, "--child", variant, str(seconds)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, nargs="+", default=[5, 20])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], float(args.child[1]))))
+        return
+    import numpy as np
+
+    results = {(v, s): [] for v in VARIANTS for s in args.seconds}
+    for _ in range(args.rounds):
+        for seconds in args.seconds:
+            for variant in VARIANTS:
+                results[variant, seconds].append(measure(variant, seconds))
+    print(
+        f"Teardown after a fit stopped mid-epoch ({datetime.date.today()}, "
+        f"median of {args.rounds} rounds, MirroredStrategy on 2 logical "
+        "CPUs; seconds / ratio to stock)\n"
+    )
+    columns = [f"stopped at {s:g} s" for s in args.seconds]
+    print("| run | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for variant in VARIANTS:
+        cells = []
+        for seconds in args.seconds:
+            median = float(np.median(results[variant, seconds]))
+            stock = float(np.median(results["stock", seconds]))
+            cells.append(f"{median:.2f} s / {median / stock:.2f}")
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
