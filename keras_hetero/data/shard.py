@@ -594,14 +594,14 @@ class HeteroDataset:
         # Nor may tf.data run the stateless maps after the split in parallel
         # (which would pull global batches ahead).
         options.experimental_optimization.map_parallelization = False
-        # No tf.data autotuning thread. Destroying this pipeline's iterator
-        # (after a fit, or when Python collects one a stopped fit left
-        # behind) joins that thread, which here sleeps out its optimization
-        # period, which doubles up to 60 s while the iterator lives (TF
-        # 2.19-2.21; measured: 22 s after a fit stopped at 20 s, 1.4 s
-        # without it; stock `experimental_distribute_dataset` 1.0 s). No
-        # upstream issue found. `AUTOTUNE` parallelism in `map_fn` or in the
-        # examples' pipeline then takes TF's default (the core count).
+        # No tf.data autotuning thread. Destroying an iterator (after a fit,
+        # or when Python collects one a stopped fit left behind) joins that
+        # thread, which at random sleeps out its optimization period first,
+        # a period that doubles up to 60 s while the iterator lives (TF 2.21;
+        # stock pipelines too; no upstream issue found): tests stalled for
+        # minutes (docs/benchmarks.md, "Input iterator teardown"). `AUTOTUNE`
+        # parallelism in `map_fn` or the examples' pipeline then takes TF's
+        # default, the core count.
         options.autotune.enabled = False
         return dataset.prefetch(1).with_options(options)
 
