@@ -31,8 +31,8 @@ OLD_STAMP := $(OLD_VENV)/.installed
 MULTI_WORKER_TEST := tests/test_multi_worker.py::test_fit_evaluate_predict_match_single_device[2w-75_25]
 
 .PHONY: install install-oldest demo test test-quick test-keras3 test-legacy \
-	test-legacy-all test-quick-keras3 test-quick-legacy test-oldest test-oldest-keras3 \
-	test-oldest-legacy conformance lint bench docs clean
+	test-legacy-all test-quick-keras3 test-quick-legacy test-oldest \
+	test-oldest-keras3 test-oldest-legacy conformance lint bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -265,8 +265,6 @@ def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(
     codes = result.attempts[0].exit_codes
     assert all(codes[w] != 0 for w in survivors), codes
     assert StragglerDetector.HANG_EXIT_CODE in codes[: len(survivors)], codes
-    if hosts == 2:
-        assert codes[0] == StragglerDetector.HANG_EXIT_CODE, codes
     resumed, _ = log.first("[launcher] attempt 1:")
     with open(os.path.join(out, "attempt1-worker0.jsonl")) as f:
         first = json.loads(f.readline())
