@@ -122,6 +122,23 @@ def _python_bounds():
     return _patched(bounds_lib.PipelineSplit, "bounds", bounds)
 
 
+def _autotuning_on():
+    # kh.data.shard's pipeline as before 2026-12-03: tf.data's autotuning
+    # thread on (docs/benchmarks.md, "Input iterator teardown").
+    import tensorflow as tf
+
+    from keras_hetero.data.shard import HeteroDataset
+
+    pipeline = HeteroDataset._pipeline
+
+    def with_autotuning(self, *args, **kwargs):
+        options = tf.data.Options()
+        options.autotune.enabled = True
+        return pipeline(self, *args, **kwargs).with_options(options)
+
+    return _patched(HeteroDataset, "_pipeline", with_autotuning)
+
+
 @contextlib.contextmanager
 def _all_off():
     with _no_clocks(), _no_record(), _local_logs():
@@ -138,6 +155,7 @@ PROFILE = {
     "Keras' input split": (contextlib.nullcontext, "keras"),
     "no gradient divide (wrong values)": (_no_divide, "shared"),
     "split bounds by a Python callback (before)": (_python_bounds, "own"),
+    "tf.data autotuning on (before)": (_autotuning_on, "own"),
     "all four off": (_all_off, "keras"),
 }
 

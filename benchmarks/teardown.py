@@ -14,6 +14,7 @@ Run: `python benchmarks/teardown.py` (`--seconds 5 20 --rounds 2`).
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -21,6 +22,8 @@ import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from overhead import _autotuning_on  # noqa: E402
 
 VARIANTS = (
     "stock",
@@ -65,28 +68,13 @@ def child(variant, seconds):
         data = examples.batch(64)
     else:
         data = kh.data.shard(examples, 64, strategy=strategy)
-        if "autotuning on" in variant:
-            data = _with_autotuning(data)
-    model.fit(data, epochs=1, verbose=0, callbacks=[StopAfter()])
+    before = "autotuning on" in variant
+    with _autotuning_on() if before else contextlib.nullcontext():
+        model.fit(data, epochs=1, verbose=0, callbacks=[StopAfter()])
     started = time.monotonic()
     del model, data
     gc.collect()
     return time.monotonic() - started
-
-
-def _with_autotuning(data):
-    """The pipeline as it was: tf.data's autotuning thread left on."""
-    import tensorflow as tf
-
-    pipeline = data._pipeline
-    options = tf.data.Options()
-    options.autotune.enabled = True
-
-    def with_autotuning(*args, **kwargs):
-        return pipeline(*args, **kwargs).with_options(options)
-
-    data._pipeline = with_autotuning
-    return data
 
 
 def measure(variant, seconds):
