@@ -57,16 +57,10 @@ def _run_script(script, output, environ):
     """`python script` in this (forked) process: its directory as the working
     directory and first on `sys.path`, stdout and stderr to `output`, the exit
     status of the script's `SystemExit` (1 for an uncaught exception)."""
-    os.environ.clear()
-    os.environ.update(environ)
+    workers._take_over(environ, output)
     os.chdir(os.path.dirname(script))
     sys.path.insert(0, os.path.dirname(script))
     sys.argv = [script]
-    with open(output, "w") as stream:
-        os.dup2(stream.fileno(), 1)
-        os.dup2(stream.fileno(), 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
     status = 0
     try:
         runpy.run_path(script, run_name="__main__")

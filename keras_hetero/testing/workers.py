@@ -76,7 +76,9 @@ def _context():
     return multiprocessing.get_context("spawn")
 
 
-def _child(target, args, index, cluster, result_path, output_path, environ):
+def _take_over(environ, output_path):
+    """In a forked or spawned child: the caller's environment `environ`, and
+    stdout and stderr (file descriptors too) to `output_path`."""
     os.environ.clear()
     os.environ.update(environ)
     with open(output_path, "w") as output:
@@ -84,6 +86,10 @@ def _child(target, args, index, cluster, result_path, output_path, environ):
         os.dup2(output.fileno(), 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+def _child(target, args, index, cluster, result_path, output_path, environ):
+    _take_over(environ, output_path)
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}}
     )
