@@ -46,6 +46,9 @@ from keras_hetero.training import telemetry
 _ACCUMULATION_KEY = "keras_hetero_accumulation_"
 # Prefix of low-communication training's state (anchor, outer optimizer).
 _LOW_COMMUNICATION_KEY = "keras_hetero_low_communication_"
+# The telemetry totals among the train function's outputs (Keras 3), taken
+# out before Keras sees the logs.
+_TOTALS_KEY = "__keras_hetero_telemetry_totals"
 
 
 class HeteroModel(_compat.TrainerOverrides, keras.Model):
@@ -292,22 +295,32 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             # step's predictions, so updating them first changes nothing.
             _compat.update_metrics(self, x, y, y_pred, sample_weight)
             metric_variables, metric_values = _compat.local_metric_values(self)
+        accumulator = self._accumulator() if variables else None
+
+        def divisor(summed_stats):
+            # The global rows (times the loss scale): divided in the
+            # collective's output, once (see `aggregation.aggregate`).
+            return loss_scale_lib.divisor(
+                tf.reduce_sum(summed_stats[:num_replicas]), scale
+            )
+
         grads, stats, *metric_sums = aggregation.aggregate(
             grads,
             stats,
             compression=hetero.gradient_compression,
             options=hetero.communication,
             extra=metric_values if packed else (),
+            # Accumulated micro-steps divide their sum at the end instead.
+            divisor=divisor if accumulator is None else None,
         )
         global_rows = tf.reduce_sum(stats[:num_replicas])
-        accumulator = self._accumulator() if variables else None
-        rows_so_far, ready = global_rows, None
+        ready = None
         if accumulator is not None:
             grads, rows_so_far, ready = accumulator.add(grads, global_rows)
             stored = grads
-        grads = aggregation.divide(
-            grads, loss_scale_lib.divisor(rows_so_far, scale)
-        )
+            grads = aggregation.divide(
+                grads, loss_scale_lib.divisor(rows_so_far, scale)
+            )
         grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
 
         # Nothing in the optimizer's update may run before this step's data
@@ -618,15 +631,32 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         def train_function(iterator):
             started = time.perf_counter()
             logs = function(iterator)
+            totals = None
+            if isinstance(logs, dict):
+                # Keras 3: the call read them (`_train_function_extras`).
+                totals = logs.pop(_TOTALS_KEY, None)
             if local is not None:
                 # Low-communication: a round's telemetry arrives with its
                 # synchronisation; the calls before it cover no steps.
                 local.maybe_synchronise()
-            hetero.telemetry.snapshot(time.perf_counter() - started)
+            hetero.telemetry.snapshot(time.perf_counter() - started, totals)
             return logs
 
         self.train_function = train_function
         return train_function
+
+    def _train_function_extras(self):
+        """Outputs the train function adds after the step (Keras 3,
+        `_compat.Keras3TrainerOverrides`): the telemetry totals, read in the
+        same call instead of by an eager op after it. Not under
+        low-communication training, whose synchronisation after the call
+        records more."""
+        hetero = self._hetero
+        if hetero.low_communication is not None or not isinstance(
+            hetero.telemetry, telemetry.Telemetry
+        ):
+            return {}
+        return {_TOTALS_KEY: hetero.telemetry.read_in_graph()}
 
     # --- input and strategy checks ---------------------------------------
 

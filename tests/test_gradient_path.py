@@ -10,6 +10,7 @@ from conftest import DEVICES
 
 import keras_hetero as kh
 from keras_hetero import _compat
+from keras_hetero import _distribute
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
 
@@ -224,6 +225,106 @@ def test_one_collective_per_step_for_gradients_telemetry_and_metrics():
         assert history.history[key] == pytest.approx(
             reference_history[key], rel=1e-5
         )
+
+
+def _aggregate_on_replicas(grads_of, extra_of, path, **kwargs):
+    """`aggregate` on 2 Mirrored replicas whose inputs differ by replica
+    id: `path` is "packed" (must take the one-vector path) or "per tensor"
+    (the per-gradient path, then `divide`)."""
+    strategy = helpers.mirrored(DEVICES[:2])
+
+    def replica():
+        factor = tf.cast(_distribute.replica_id() + 1, tf.float32) / 3.0
+        grads, extra = grads_of(factor), extra_of(factor)
+        stats = tf.stack([factor * 7.0, 3.0 - factor, 0.25, factor])
+        divisor = kwargs.get("divisor")
+        if path == "packed":
+            assert aggregation._packs_in_one(grads, stats, extra, None, None)
+            return aggregation.aggregate(grads, stats, extra=extra, **kwargs)
+        reduced = aggregation.all_reduce_sum(grads + [stats] + extra)
+        summed_grads = reduced[: len(grads)]
+        if divisor is not None:
+            summed_grads = aggregation.divide(
+                summed_grads, divisor(reduced[len(grads)])
+            )
+        return summed_grads, reduced[len(grads)], reduced[len(grads) + 1 :]
+
+    outputs = tf.function(lambda: strategy.run(replica))()
+    return tf.nest.map_structure(
+        lambda v: None if v is None else strategy.experimental_local_results(v),
+        outputs,
+    )
+
+
+@pytest.mark.parametrize("extra", ["scalars", "vectors", "none"])
+@pytest.mark.parametrize("divided", [True, False])
+def test_packed_collective_gives_the_same_bits_as_per_tensor_sums(
+    extra, divided
+):
+    # One flat vector (gradients, stats, metric values) and one division:
+    # the same elementwise arithmetic as a sum and a division per tensor.
+    def grads_of(factor):
+        return [
+            tf.reshape(tf.range(6, dtype=tf.float32), [2, 3]) * factor,
+            None,  # a variable the loss does not reach
+            tf.constant([1e-7, 3.0, -2.5]) / factor,
+        ]
+
+    def extra_of(factor):
+        if extra == "scalars":
+            return [factor * 11.0, tf.constant(2.0), factor]
+        if extra == "vectors":
+            return [tf.fill([2, 2], factor), tf.constant([5.0])]
+        return []
+
+    kwargs = {"divisor": lambda stats: stats[0] + stats[1]} if divided else {}
+    packed = _aggregate_on_replicas(grads_of, extra_of, "packed", **kwargs)
+    reference = _aggregate_on_replicas(
+        grads_of, extra_of, "per tensor", **kwargs
+    )
+    if not extra:
+        packed = (*packed, [])  # aggregate leaves out an empty extra
+    flat_packed = tf.nest.flatten(packed)
+    flat_reference = tf.nest.flatten(reference)
+    assert len(flat_packed) == len(flat_reference)
+    for got, want in zip(flat_packed, flat_reference):
+        assert (got is None) == (want is None)
+        if got is None:
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert packed[0][1] is None  # None gradients stay None
+
+
+@pytest.mark.parametrize(
+    "why", ["compression", "sparse gradient", "float64 gradient", "packs"]
+)
+def test_collective_packed_by_tensor_when_one_vector_cannot_carry_it(why):
+    strategy = helpers.mirrored(DEVICES[:2])
+    options = None
+    if why == "packs":
+        options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=1024
+        )
+
+    def replica():
+        grads = [tf.ones([3])]
+        if why == "sparse gradient":
+            grads.append(
+                tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), [4, 2])
+            )
+        if why == "float64 gradient":
+            grads.append(tf.ones([2], tf.float64))
+        compression = "fp16" if why == "compression" else None
+        stats = tf.ones([4])
+        decisions.append(
+            aggregation._packs_in_one(grads, stats, [], compression, options)
+        )
+        return stats
+
+    decisions = []
+    tf.function(lambda: strategy.run(replica))()
+    assert decisions == [False, False]  # traced once per replica
 
 
 @pytest.mark.parametrize(

@@ -305,12 +305,21 @@ class Keras3TrainerOverrides:
                 step_function, reduce_retracing=True, jit_compile=True
             )
 
+        # Tensors the model adds to the train function's outputs (read after
+        # the step, in the same call: no eager op per call), or None.
+        extras = None
+        if step_function == getattr(self, "train_step", None):
+            extras = getattr(self, "_train_function_extras", None)
+
         # Not autograph-converted, as in Keras: the user's errors (say a
         # metric name that does not exist) keep their own type.
         @tf.autograph.experimental.do_not_convert
         def one_step_on_data(data):
             outputs = strategy.run(replica_step, args=(data,))
-            return first_local_values(strategy, outputs)
+            outputs = first_local_values(strategy, outputs)
+            if extras is not None and isinstance(outputs, dict):
+                outputs = {**outputs, **extras()}
+            return outputs
 
         looped_step = one_step_on_data
         if not self.run_eagerly:

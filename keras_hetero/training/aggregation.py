@@ -3,6 +3,12 @@
 `compress -> all-reduce (with the telemetry, one collective) -> decompress ->
 divide by global rows -> clip`. Each piece is a plain function over lists of
 tensors so it can be tested alone.
+
+In the common case (dense float32 gradients, no wire compression, no
+`bytes_per_pack`) `aggregate` packs gradients, telemetry and metric values
+into one flat vector itself and divides the gradients' part once: fewer ops
+per step than a packing and a division per tensor (docs/benchmarks.md,
+"Per-step cost"), with the same bits.
 """
 
 import tensorflow as tf
@@ -154,7 +160,9 @@ def wire_bytes(variables, compression=None, num_replicas=1):
     return total + 2 * num_replicas * tf.float32.size
 
 
-def aggregate(grads, stats, *, compression=None, options=None, extra=()):
+def aggregate(
+    grads, stats, *, compression=None, options=None, extra=(), divisor=None
+):
     """Sums row-weighted local gradients and telemetry across replicas.
 
     Args:
@@ -167,16 +175,97 @@ def aggregate(grads, stats, *, compression=None, options=None, extra=()):
             collective. Defaults to `None`.
         extra: More tensors to sum in the same collective (e.g. the metric
             variables' local values). Defaults to `()`.
+        divisor: None, or a function of the summed stats returning what the
+            summed gradients are divided by (`divide`), e.g. the global
+            rows. Defaults to `None` (the sums are returned).
 
     Returns:
-        `(summed_grads, summed_stats)`, gradients in their original dtypes;
-        with `extra`, `(summed_grads, summed_stats, summed_extra)`.
+        `(summed_grads, summed_stats)`, gradients in their original dtypes
+        (divided by `divisor(summed_stats)` if given); with `extra`,
+        `(summed_grads, summed_stats, summed_extra)`.
+
+    Example:
+
+    >>> g, s = aggregate([tf.ones([2])], tf.constant([3.0, 0.0]))
+    >>> g[0].numpy().tolist(), s.numpy().tolist()
+    ([1.0, 1.0], [3.0, 0.0])
     """
-    wire = compress(grads, compression)
     extra = list(extra)
-    reduced = all_reduce_sum(list(wire) + [stats] + extra, options=options)
-    summed_grads = decompress(reduced[: len(wire)], grads)
-    summed_stats = reduced[len(wire)]
+    if _packs_in_one(grads, stats, extra, compression, options):
+        summed_grads, summed_stats, summed_extra = _aggregate_packed(
+            grads, stats, extra, divisor
+        )
+    else:
+        wire = compress(grads, compression)
+        reduced = all_reduce_sum(list(wire) + [stats] + extra, options=options)
+        summed_grads = decompress(reduced[: len(wire)], grads)
+        summed_stats = reduced[len(wire)]
+        summed_extra = reduced[len(wire) + 1 :]
+        if divisor is not None:
+            summed_grads = divide(summed_grads, divisor(summed_stats))
     if not extra:
         return summed_grads, summed_stats
-    return summed_grads, summed_stats, reduced[len(wire) + 1 :]
+    return summed_grads, summed_stats, summed_extra
+
+
+def _packs_in_one(grads, stats, extra, compression, options):
+    """Whether `_aggregate_packed` applies: a multi-replica context whose
+    replicas are all here, dense gradients (None allowed) and extras of the
+    stats' dtype, no wire compression and no packing options."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return False
+    if compression is not None or _distribute.replicas_on_missing_devices(
+        context.strategy
+    ):
+        return False
+    if options is not None and getattr(options, "bytes_per_pack", 0):
+        return False  # the user's own packing of the collective
+    tensors = [g for g in grads if g is not None] + list(extra)
+    return (
+        all(
+            isinstance(t, tf.Tensor)
+            and t.dtype == stats.dtype
+            and t.shape.is_fully_defined()
+            for t in tensors
+        )
+        and stats.shape.is_fully_defined()
+    )
+
+
+def _aggregate_packed(grads, stats, extra, divisor):
+    """`aggregate` as ONE flat vector: gradients, stats, extras.
+
+    The collective packs its inputs this way anyway; packing here first
+    lets the division by `divisor` run once on the gradients' part instead
+    of once per gradient (elementwise the same arithmetic, so the same
+    bits), and the small tensors cost no per-tensor packing ops.
+    """
+    present = [g for g in grads if g is not None]
+    grad_sizes = [g.shape.num_elements() for g in present]
+    scalars = bool(extra) and all(t.shape.rank == 0 for t in extra)
+    # Scalars (the metrics' values) as one vector: one op each way.
+    small = [stats] + ([tf.stack(extra)] if scalars else list(extra))
+    small_sizes = [t.shape.num_elements() for t in small]
+    flat = tf.concat([tf.reshape(t, [-1]) for t in present + small], axis=0)
+    (summed,) = all_reduce_sum([flat])
+    summed_grads_flat, *summed_small = tf.split(
+        summed, [sum(grad_sizes)] + small_sizes
+    )
+    summed_stats = summed_small[0]
+    if scalars:
+        summed_extra = tf.unstack(summed_small[1])
+    else:
+        summed_extra = [
+            tf.reshape(value, t.shape)
+            for value, t in zip(summed_small[1:], extra)
+        ]
+    if divisor is not None:
+        summed_grads_flat = summed_grads_flat / tf.cast(
+            divisor(summed_stats), summed_grads_flat.dtype
+        )
+    values = iter(tf.split(summed_grads_flat, grad_sizes) if present else [])
+    summed_grads = [
+        None if g is None else tf.reshape(next(values), g.shape) for g in grads
+    ]
+    return summed_grads, summed_stats, summed_extra

@@ -119,9 +119,10 @@ class TelemetrySource:
         the replica step)."""
         raise NotImplementedError
 
-    def snapshot(self, call_seconds=None):
+    def snapshot(self, call_seconds=None, totals=None):
         """Marks the end of one train-function call (`call_seconds`: its
-        host time, for the next `step_stats`)."""
+        host time, for the next `step_stats`; `totals`: the running totals
+        as the call read them, if it did)."""
         raise NotImplementedError
 
     def step_stats(self):
@@ -180,17 +181,25 @@ class Telemetry(TelemetrySource):
             tf.one_hot(0, self.size, dtype=tf.float64)
         )
 
-    def snapshot(self, call_seconds=None):
+    def snapshot(self, call_seconds=None, totals=None):
         """Marks the end of one train-function call (no host sync).
 
-        Reads one local copy (all hold the same sums): a read of the
-        distributed variable costs another eager op per step. The read
+        `totals` is the call's own read of them (`read_in_graph`, one of
+        the train function's outputs under Keras 3); without it, reads one
+        local copy (all hold the same sums), an eager op per call. A read
         tensor is a snapshot, as resource variables copy on write.
         """
         self._previous = self._current
-        self._current = _first_copy(self.totals).read_value()
+        self._current = (
+            _first_copy(self.totals).read_value() if totals is None else totals
+        )
         self._call_seconds = call_seconds
         self._stats = None
+
+    def read_in_graph(self):
+        """The running totals, read inside the train function after the
+        step (cross-replica context): given back to `snapshot`."""
+        return _first_copy(self.totals).read_value()
 
     def reset(self):
         """Starts a new series; the next `snapshot` has nothing before it."""
@@ -287,7 +296,7 @@ class WorkerTelemetry(TelemetrySource):
     def step_stats(self):
         return self._stats
 
-    def snapshot(self, call_seconds=None):
+    def snapshot(self, call_seconds=None, totals=None):
         """Nothing to do: the runner calls `add` at every batch end."""
 
     def record(self, gathered_stats, steps=None):
