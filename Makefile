@@ -129,6 +129,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/step_ops.py --profile
 	$(BIN)/python benchmarks/split_pipeline.py
 	$(BIN)/python benchmarks/teardown.py
 	$(BIN)/python benchmarks/rebalance.py

@@ -14,7 +14,8 @@ over all rounds; the ratio is the median of the rounds' ratios (each round's
 runs are close in time, so a change of load moves both).
 
 Run: `python benchmarks/overhead.py` (Mirrored, 2 replicas),
-`--replicas 4`, `--workers 2`, `--spe 1 8`, `--profile`.
+`--replicas 4`, `--workers 2`, `--spe 1 8`, `--profile`, `--profile
+before replayed` (only the variants whose names contain those words).
 """
 
 import argparse
@@ -29,7 +30,7 @@ import numpy as np  # noqa: E402
 import keras_hetero as kh  # noqa: E402
 
 GLOBAL_BATCH = 256  # less 256 % replicas: stock Keras 3 needs equal splits
-STEPS = 40
+STEPS = 40  # per fit; --steps
 
 
 def build(model_class, strategy, width, steps_per_execution):
@@ -97,7 +98,12 @@ def _no_divide():
     # Timing only: the gradients are then wrong by the factor of the rows.
     from keras_hetero.training import aggregation
 
-    return _patched(aggregation, "divide", lambda grads, divisor: list(grads))
+    aggregate = aggregation.aggregate
+
+    def undivided(*args, divisor=None, **kwargs):
+        return aggregate(*args, **kwargs)
+
+    return _patched(aggregation, "aggregate", undivided)
 
 
 def _python_bounds():
@@ -139,6 +145,28 @@ def _autotuning_on():
     return _patched(HeteroDataset, "_pipeline", with_autotuning)
 
 
+def _per_tensor_collective():
+    # The gradient path before 2026-12-03: the collective packs each tensor
+    # and each gradient is divided on its own (`aggregation.aggregate`).
+    from keras_hetero.training import aggregation
+
+    return _patched(aggregation, "_packs_in_one", lambda *args: False)
+
+
+def _replayed():
+    # The split's output kept in memory after its first pass (warm-up) and
+    # replayed: what is left is the step's own cost, without the input
+    # pipeline's CPU time (which logical CPU devices share with the step).
+    from keras_hetero.data.shard import HeteroDataset
+
+    pipeline = HeteroDataset._pipeline
+
+    def replayed(self, *args, **kwargs):
+        return pipeline(self, *args, **kwargs).cache()
+
+    return _patched(HeteroDataset, "_pipeline", replayed)
+
+
 @contextlib.contextmanager
 def _all_off():
     with _no_clocks(), _no_record(), _local_logs():
@@ -156,6 +184,11 @@ PROFILE = {
     "no gradient divide (wrong values)": (_no_divide, "shared"),
     "split bounds by a Python callback (before)": (_python_bounds, "own"),
     "tf.data autotuning on (before)": (_autotuning_on, "own"),
+    "collective and division per tensor (before)": (
+        _per_tensor_collective,
+        "shared",
+    ),
+    "input replayed from memory": (_replayed, "own"),
     "all four off": (_all_off, "keras"),
 }
 
@@ -208,8 +241,10 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
             None,
         ),
     }
-    if profile:
+    if profile is not None:
         for name, (patch, source) in PROFILE.items():
+            if profile and not any(part in name for part in profile):
+                continue
             data = {
                 "shared": sharded,
                 "own": kh.data.shard(examples, batch, strategy=strategy),
@@ -220,6 +255,13 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
                 data,
                 patch,
             )
+    if "HeteroModel, input replayed from memory" in runs:
+        # Its baseline: stock with its batches replayed from memory too.
+        runs["stock, input replayed from memory"] = (
+            build(stock_class, strategy, width, k),
+            batched.cache(),
+            bare,
+        )
     for model, data, patch in runs.values():  # warm-up: tracing
         with patch() if patch else contextlib.nullcontext():
             model.fit(data, epochs=1, verbose=0, shuffle=False)
@@ -270,7 +312,9 @@ def table(strategy, widths, rounds, spes, profile):
     return lines
 
 
-def _mwms_worker(widths, rounds, spes, profile):
+def _mwms_worker(widths, rounds, spes, profile, steps):
+    global STEPS
+    STEPS = steps
     kh.testing.logical_cpus(1)
     import tensorflow as tf
 
@@ -279,6 +323,7 @@ def _mwms_worker(widths, rounds, spes, profile):
 
 
 def main():
+    global STEPS
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument(
@@ -298,8 +343,18 @@ def main():
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--replicas", type=int, default=2)
     group.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        metavar="PART",
+        help="add the profile variants (those whose name contains a PART, "
+        "if any are given)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=STEPS, help="steps per fit"
+    )
     args = parser.parse_args()
+    STEPS = args.steps
     if args.workers:
         where = (
             f"MultiWorkerMirroredStrategy, {args.workers} worker processes "
@@ -321,7 +376,7 @@ def main():
             _mwms_worker,
             args.workers,
             timeout=590,
-            args=(args.widths, args.rounds, args.spe, args.profile),
+            args=(args.widths, args.rounds, args.spe, args.profile, STEPS),
         )
         lines = results[0].value
     else:
