@@ -128,21 +128,26 @@ def _python_bounds():
     return _patched(bounds_lib.PipelineSplit, "bounds", bounds)
 
 
+def _pipeline_then(transform):
+    # kh.data.shard's pipeline with `transform` applied to what it returns.
+    from keras_hetero.data.shard import HeteroDataset
+
+    pipeline = HeteroDataset._pipeline
+
+    def patched(self, *args, **kwargs):
+        return transform(pipeline(self, *args, **kwargs))
+
+    return _patched(HeteroDataset, "_pipeline", patched)
+
+
 def _autotuning_on():
     # kh.data.shard's pipeline as before 2026-12-03: tf.data's autotuning
     # thread on (docs/benchmarks.md, "Input iterator teardown").
     import tensorflow as tf
 
-    from keras_hetero.data.shard import HeteroDataset
-
-    pipeline = HeteroDataset._pipeline
-
-    def with_autotuning(self, *args, **kwargs):
-        options = tf.data.Options()
-        options.autotune.enabled = True
-        return pipeline(self, *args, **kwargs).with_options(options)
-
-    return _patched(HeteroDataset, "_pipeline", with_autotuning)
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    return _pipeline_then(lambda dataset: dataset.with_options(options))
 
 
 def _per_tensor_collective():
@@ -157,14 +162,7 @@ def _replayed():
     # The split's output kept in memory after its first pass (warm-up) and
     # replayed: what is left is the step's own cost, without the input
     # pipeline's CPU time (which logical CPU devices share with the step).
-    from keras_hetero.data.shard import HeteroDataset
-
-    pipeline = HeteroDataset._pipeline
-
-    def replayed(self, *args, **kwargs):
-        return pipeline(self, *args, **kwargs).cache()
-
-    return _patched(HeteroDataset, "_pipeline", replayed)
+    return _pipeline_then(lambda dataset: dataset.cache())
 
 
 @contextlib.contextmanager

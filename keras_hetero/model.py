@@ -656,7 +656,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             hetero.telemetry, telemetry.Telemetry
         ):
             return {}
-        return {_TOTALS_KEY: hetero.telemetry.read_in_graph()}
+        return {_TOTALS_KEY: hetero.telemetry.read_totals()}
 
     # --- input and strategy checks ---------------------------------------
 

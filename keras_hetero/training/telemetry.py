@@ -184,26 +184,25 @@ class Telemetry(TelemetrySource):
     def snapshot(self, call_seconds=None, totals=None):
         """Marks the end of one train-function call (no host sync).
 
-        `totals` is the call's own read of them (`read_in_graph`, one of
-        the train function's outputs under Keras 3); without it, reads one
-        local copy (all hold the same sums), an eager op per call. A read
-        tensor is a snapshot, as resource variables copy on write.
+        `totals` is the call's own `read_totals` (one of the train
+        function's outputs under Keras 3); without it, reads them here, an
+        eager op per call. A read tensor is a snapshot, as resource
+        variables copy on write.
         """
         self._previous = self._current
-        self._current = (
-            _first_copy(self.totals).read_value() if totals is None else totals
-        )
+        self._current = self.read_totals() if totals is None else totals
         self._call_seconds = call_seconds
         self._stats = None
 
-    def read_in_graph(self):
-        """The running totals, read inside the train function after the
-        step (cross-replica context): given back to `snapshot`."""
+    def read_totals(self):
+        """The running totals: one local copy (all hold the same sums), in
+        cross-replica context; inside the train function after the step,
+        or eagerly."""
         return _first_copy(self.totals).read_value()
 
     def reset(self):
         """Starts a new series; the next `snapshot` has nothing before it."""
-        self._current = _first_copy(self.totals).read_value()
+        self._current = self.read_totals()
         self._previous = None
         self._call_seconds = None
         self._stats = None
