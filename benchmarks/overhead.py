@@ -13,6 +13,13 @@ in the same run: what each piece costs per step. Step times are medians
 over all rounds; the ratio is the median of the rounds' ratios (each round's
 runs are close in time, so a change of load moves both).
 
+Each row also has the process's CPU time per step (`StepTimer.cpu_seconds`:
+every thread of the process, so the input pipeline's work too; mean per
+fit, median over rounds) and its ratio to stock's, median of the rounds.
+Other tenants of a shared machine stretch the wall time but hardly the CPU
+seconds this process spends, so the CPU ratio is the steadier measure of
+the work HeteroModel adds. Under `--workers` both are worker 0's.
+
 Run: `python benchmarks/overhead.py` (Mirrored, 2 replicas),
 `--replicas 4`, `--workers 2`, `--spe 1 8`, `--profile`, `--profile
 before replayed` (only the variants whose names contain those words).
@@ -150,6 +157,16 @@ def _autotuning_on():
     return _pipeline_then(lambda dataset: dataset.with_options(options))
 
 
+def _pooled_maps():
+    # The split's own map functions run on TF's inter-op thread pool, as
+    # before 2026-12-03 (`Dataset.map`; now `_compat.inline_map`).
+    from keras_hetero import _compat
+
+    return _patched(
+        _compat, "inline_map", lambda dataset, function: dataset.map(function)
+    )
+
+
 def _per_tensor_collective():
     # The gradient path before 2026-12-03: the collective packs each tensor
     # and each gradient is divided on its own (`aggregation.aggregate`).
@@ -182,6 +199,7 @@ PROFILE = {
     "no gradient divide (wrong values)": (_no_divide, "shared"),
     "split bounds by a Python callback (before)": (_python_bounds, "own"),
     "tf.data autotuning on (before)": (_autotuning_on, "own"),
+    "split maps on the thread pool (before)": (_pooled_maps, "own"),
     "collective and division per tensor (before)": (
         _per_tensor_collective,
         "shared",
@@ -264,9 +282,11 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
         with patch() if patch else contextlib.nullcontext():
             model.fit(data, epochs=1, verbose=0, shuffle=False)
     seconds = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
     ratios = {name: [] for name in runs}
+    cpu_ratios = {name: [] for name in runs}
     for number in range(rounds):
-        medians = {}
+        medians, means = {}, {}
         order = list(runs) if number % 2 == 0 else list(runs)[::-1]
         for name in order:  # every other round reversed: no position bias
             model, data, _ = runs[name]
@@ -278,13 +298,23 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
             steps = np.asarray(timer.seconds) / k
             seconds[name].extend(steps)
             medians[name] = np.median(steps)
+            # CPU: the mean, all the work (the input pipeline's comes in
+            # bursts that a median would leave out).
+            means[name] = np.sum(timer.cpu_seconds) / (k * len(steps))
+            cpu[name].append(means[name])
         for name in runs:
             ratios[name].append(medians[name] / medians["stock"])
+            cpu_ratios[name].append(means[name] / means["stock"])
     # The ratio is the median over rounds of each round's ratio: the runs of
     # one round are close in time, so a change of the machine's load (other
     # jobs) moves both.
     return {
-        name: (float(np.median(seconds[name])), float(np.median(ratios[name])))
+        name: (
+            float(np.median(seconds[name])),
+            float(np.median(ratios[name])),
+            float(np.median(cpu[name])),
+            float(np.median(cpu_ratios[name])),
+        )
         for name in runs
     }
 
@@ -293,19 +323,21 @@ def table(strategy, widths, rounds, spes, profile):
     """Markdown rows: one per (W, k, run), ratio to the stock run."""
     lines = [
         "| W | k | run | step (ms) | extra (ms) | "
-        "ratio to stock (median of rounds) |",
-        "|---:|---:|---|---:|---:|---:|",
+        "ratio to stock (median of rounds) | CPU per step (ms) | "
+        "CPU ratio to stock |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for width in widths:
         for k in spes:
             medians = measure(strategy, width, rounds, k, profile)
             stock = medians["stock"][0]
-            for name, (value, ratio) in medians.items():
+            for name, (value, ratio, cpu, cpu_ratio) in medians.items():
                 if name == "stock":
                     continue
                 lines.append(
                     f"| {width} | {k} | {name} | {1000 * value:.2f} | "
-                    f"{1000 * (value - stock):.2f} | {ratio:.3f} |"
+                    f"{1000 * (value - stock):.2f} | {ratio:.3f} | "
+                    f"{1000 * cpu:.2f} | {cpu_ratio:.3f} |"
                 )
     return lines
 

@@ -5,10 +5,17 @@ Each run iterates a distributed dataset under MirroredStrategy on
 time per global batch is the input pipeline's: stock
 `experimental_distribute_dataset` of the batched examples (Keras' own
 split, even), a second stock run (A/A), `kh.data.shard` (bounds in-graph
-from the schedule's copy, data/bounds.py) and `kh.data.shard` with the
-bounds from a Python callback per global batch (the code before). Runs
+from the schedule's copy, data/bounds.py; its own small map functions run
+inline, `_compat.inline_map`), `kh.data.shard` with those maps on TF's
+thread pool (before 2026-12-03) and with the bounds from a Python callback
+per global batch (before 2026-12-02). Runs
 alternate within each round; we report the median wall and process CPU
 time per global batch and the median of the rounds' ratios to stock.
+
+A second table times one small map function per element (two slices, the
+size of the split's `_unpad`) run by `Dataset.map` on TF's thread pool and
+by `_compat.inline_map` on the calling thread, in one thread
+(`Dataset.reduce`), next to no map at all.
 
 Run: `python benchmarks/split_pipeline.py` (2 replicas), `--replicas 4`.
 """
@@ -21,6 +28,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from overhead import _pooled_maps  # noqa: E402
 from overhead import _python_bounds  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
@@ -50,10 +58,15 @@ def measure(strategy, rounds):
         with _python_bounds():
             return sharded()
 
+    def pooled_maps():
+        with _pooled_maps():
+            return sharded()
+
     runs = {
         "stock": stock,
         "stock (A/A)": stock,
         "kh.data.shard": sharded,
+        "kh.data.shard, split maps on the thread pool (before)": pooled_maps,
         "kh.data.shard, bounds by a Python callback (before)": python_bounds,
     }
 
@@ -94,6 +107,42 @@ def measure(strategy, rounds):
     return rows
 
 
+def map_call_cost(rounds, calls=2000):
+    """Rows: wall and CPU time per call of one small map function, on TF's
+    thread pool (`Dataset.map`) and inline (`_compat.inline_map`), in one
+    thread (`Dataset.reduce`), with no map as the baseline."""
+    import tensorflow as tf
+
+    from keras_hetero import _compat
+
+    element = (tf.zeros([128, 64]), tf.zeros([128], tf.int32))
+    source = tf.data.Dataset.from_tensors(element).repeat()
+
+    def slice_both(x, y):  # the size of `_unpad`: two slices
+        rows = tf.shape(y, out_type=tf.int64)[0] - 1
+        return x[:rows], y[:rows]
+
+    runs = {
+        "no map": lambda: source,
+        "Dataset.map (thread pool)": lambda: source.map(slice_both),
+        "_compat.inline_map": lambda: _compat.inline_map(source, slice_both),
+    }
+    wall = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, make in runs.items():
+            dataset = make().take(calls)
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            dataset.reduce(np.int64(0), lambda count, *_: count + 1)
+            wall[name].append((time.perf_counter() - start_wall) / calls)
+            cpu[name].append((time.process_time() - start_cpu) / calls)
+    return [
+        f"| {name} | {1e6 * np.median(wall[name]):.1f} | "
+        f"{1e6 * np.median(cpu[name]):.1f} |"
+        for name in runs
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--replicas", type=int, default=2)
@@ -116,6 +165,12 @@ def main():
     )
     print("|---|---:|---:|---:|---:|")
     print("\n".join(measure(strategy, args.rounds)))
+    print()
+    print("One small map function per element (two slices), one thread:")
+    print()
+    print("| map | wall per element (us) | CPU per element (us) |")
+    print("|---|---:|---:|")
+    print("\n".join(map_call_cost(args.rounds)))
     print()
     print(f"load average at end {os.getloadavg()[0]:.1f}")
 

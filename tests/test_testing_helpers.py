@@ -129,4 +129,8 @@ def test_step_timer_times_every_step_after_the_first():
     )
     assert len(timer.seconds) == 2 * 5 - 1
     assert all(seconds > 0 for seconds in timer.seconds)
+    assert len(timer.cpu_seconds) == len(timer.seconds)
+    assert all(seconds >= 0 for seconds in timer.cpu_seconds)
+    # Each step's work is done on this process's threads.
+    assert sum(timer.cpu_seconds) > 0
     assert timer.median() > 0

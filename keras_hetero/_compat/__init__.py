@@ -29,6 +29,7 @@ from keras_hetero._compat.data import class_weight_map_fn as class_weight_map_fn
 from keras_hetero._compat.data import dataset_graph as dataset_graph
 from keras_hetero._compat.data import global_shuffle as global_shuffle
 from keras_hetero._compat.data import host_variable as host_variable
+from keras_hetero._compat.data import inline_map as inline_map
 from keras_hetero._compat.data import (
     set_steps_of_distributed_dataset as set_steps_of_distributed_dataset,
 )

@@ -196,3 +196,30 @@ def host_variable(initial_value, shape=None):
     return resource_variable_ops.ResourceVariable(
         initial_value, trainable=False, shape=shape
     )
+
+
+def inline_map(dataset, map_func):
+    """`dataset.map(map_func)`, its function run on the calling thread.
+
+    For the split's own small per-element functions (data/shard.py): a few
+    dozen scalar ops and slices. `Dataset.map` runs each call on TF's
+    inter-op thread pool, and the hand-off costs more than such a function:
+    measured on TF 2.21 (2-core VM), about 170 us of wall and CPU time per
+    call whatever the function holds (20 scalar ops, one slice, a variable
+    read) against about 15 us with TF's single-threaded executor, which
+    `MapDataset`'s `use_inter_op_parallelism=False` selects. The public
+    `map` has no such argument (no upstream issue asks for one; TF uses it
+    internally); the private `_MapDataset` has it, with this signature, in
+    TF 2.19-2.21 (the tested range, pyproject.toml). Same
+    element order, cardinality and results: only the executor differs. Not
+    for user functions (whose control flow the single-threaded executor
+    may not run) nor for parallel maps.
+    """
+    from tensorflow.python.data.ops import map_op
+
+    return map_op._MapDataset(
+        dataset,
+        map_func,
+        use_inter_op_parallelism=False,
+        preserve_cardinality=True,
+    )

@@ -560,10 +560,13 @@ class HeteroDataset:
             return dataset
 
         stacked = local_replicas > 1 and _all_dense(batches.element_spec)
-        split_batches = batches.enumerate().map(
+        # Our own small functions run inline: a thread-pool hand-off per
+        # call cost more than each of them (`_compat.inline_map`).
+        split_batches = _compat.inline_map(
+            batches.enumerate(),
             lambda index, *batch: _maybe_stack(
                 split(index, batch[0] if len(batch) == 1 else batch), stacked
-            )
+            ),
         )
         if local_replicas == 1:
             dataset = split_batches.map(lambda part: part)
@@ -571,7 +574,7 @@ class HeteroDataset:
             # The slices padded to one length, stacked, unbatched and cut
             # back: a third of the pipeline's CPU time per global batch
             # that `flat_map` spends making two datasets per element.
-            dataset = split_batches.unbatch().map(_unpad)
+            dataset = _compat.inline_map(split_batches.unbatch(), _unpad)
         else:
             dataset = split_batches.flat_map(one_after_another)
         if self._map_fn is not None:

@@ -1,4 +1,5 @@
-"""`StepTimer`: wall time between train batches, for benchmarks and demos."""
+"""`StepTimer`: wall and CPU time between train batches, for benchmarks and
+demos."""
 
 import time
 
@@ -8,13 +9,19 @@ from keras_hetero._compat import keras
 
 
 class StepTimer(keras.callbacks.Callback):
-    """Records the wall time between consecutive train batches of a `fit`.
+    """Records the time between consecutive train batches of a `fit`.
 
     The first batch of each `fit` (tracing, warm-up) has no predecessor and
     is not counted. For benchmarks and demos, never for assertions in tests.
 
+    Wall time is what a user waits; process CPU time (all of this process's
+    threads: the replicas' steps, the input pipeline, Python) is the work
+    done, which other tenants of a shared machine change much less: their
+    load stretches the wall time but not this process's CPU seconds.
+
     Attributes:
-        seconds: One float per timed step of the last `fit`.
+        seconds: Wall seconds, one float per timed step of the last `fit`.
+        cpu_seconds: This process's CPU seconds over the same intervals.
 
     Example:
 
@@ -25,11 +32,13 @@ class StepTimer(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._last = None
         self.seconds = []
+        self.cpu_seconds = []
 
     def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if self._last is not None:
-            self.seconds.append(now - self._last)
+            self.seconds.append(now[0] - self._last[0])
+            self.cpu_seconds.append(now[1] - self._last[1])
         self._last = now
 
     def median(self):
