@@ -122,6 +122,13 @@ def map_call_cost(rounds, calls=2000):
         rows = tf.shape(y, out_type=tf.int64)[0] - 1
         return x[:rows], y[:rows]
 
+    # The split's options (data/shard.py): no autotuning, no parallel
+    # rewrite of sequential maps, no injected prefetch.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.map_parallelization = False
+    options.experimental_optimization.inject_prefetch = False
+    source = source.with_options(options)
     runs = {
         "no map": lambda: source,
         "Dataset.map (thread pool)": lambda: source.map(slice_both),
