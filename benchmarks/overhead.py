@@ -16,9 +16,10 @@ runs are close in time, so a change of load moves both).
 Each row also has the process's CPU time per step (`StepTimer.cpu_seconds`:
 every thread of the process, so the input pipeline's work too; mean per
 fit, median over rounds) and its ratio to stock's, median of the rounds.
-Other tenants of a shared machine stretch the wall time but hardly the CPU
-seconds this process spends, so the CPU ratio is the steadier measure of
-the work HeteroModel adds. Under `--workers` both are worker 0's.
+It is a second view of where the work goes, not a steadier measure: TF's
+thread pools spin while they wait and that counts as CPU, so its A/A rows
+moved as much as the wall time's on a shared machine (docs/benchmarks.md,
+2026-12-03). Under `--workers` both are worker 0's.
 
 Run: `python benchmarks/overhead.py` (Mirrored, 2 replicas),
 `--replicas 4`, `--workers 2`, `--spe 1 8`, `--profile`, `--profile

@@ -114,6 +114,7 @@ def map_call_cost(rounds, calls=2000):
     import tensorflow as tf
 
     from keras_hetero import _compat
+    from keras_hetero.data.shard import _pipeline_options
 
     element = (tf.zeros([128, 64]), tf.zeros([128], tf.int32))
     source = tf.data.Dataset.from_tensors(element).repeat()
@@ -122,13 +123,9 @@ def map_call_cost(rounds, calls=2000):
         rows = tf.shape(y, out_type=tf.int64)[0] - 1
         return x[:rows], y[:rows]
 
-    # The split's options (data/shard.py): no autotuning, no parallel
-    # rewrite of sequential maps, no injected prefetch.
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    options.experimental_optimization.map_parallelization = False
-    options.experimental_optimization.inject_prefetch = False
-    source = source.with_options(options)
+    # The split's own options: no autotuning, no parallel rewrite of
+    # sequential maps, no injected prefetch.
+    source = source.with_options(_pipeline_options())
     runs = {
         "no map": lambda: source,
         "Dataset.map (thread pool)": lambda: source.map(slice_both),

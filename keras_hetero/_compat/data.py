@@ -204,9 +204,9 @@ def inline_map(dataset, map_func):
     For the split's own small per-element functions (data/shard.py): a few
     dozen scalar ops and slices. `Dataset.map` runs each call on TF's
     inter-op thread pool, and the hand-off costs more than such a function:
-    measured on TF 2.21 (2-core VM), about 170 us of wall and CPU time per
-    call whatever the function holds (20 scalar ops, one slice, a variable
-    read) against about 15 us with TF's single-threaded executor, which
+    measured on TF 2.21 (2-core VM; benchmarks/split_pipeline.py), about
+    100 us of wall time per call over no map at all, whatever the function
+    holds, against about 10 us with TF's single-threaded executor, which
     `MapDataset`'s `use_inter_op_parallelism=False` selects. The public
     `map` has no such argument (no upstream issue asks for one; TF uses it
     internally); the private `_MapDataset` has it, with this signature, in

@@ -590,23 +590,28 @@ class HeteroDataset:
             dataset = dataset.map(_compat.class_weight_map_fn(class_weight))
         if self._options is not None:
             dataset = dataset.with_options(self._options)
-        # Bound what runs ahead of training after the split, so a share
-        # change `ShardRebalancer.lag` batches ahead is never too late.
-        options = tf.data.Options()
-        options.experimental_optimization.inject_prefetch = False
-        # Nor may tf.data run the stateless maps after the split in parallel
-        # (which would pull global batches ahead).
-        options.experimental_optimization.map_parallelization = False
-        # No tf.data autotuning thread. Destroying an iterator (after a fit,
-        # or when Python collects one a stopped fit left behind) joins that
-        # thread, which at random sleeps out its optimization period first,
-        # a period that doubles up to 60 s while the iterator lives (TF 2.21;
-        # stock pipelines too; no upstream issue found): tests stalled for
-        # minutes (docs/benchmarks.md, "Input iterator teardown"). `AUTOTUNE`
-        # parallelism in `map_fn` or the examples' pipeline then takes TF's
-        # default, the core count.
-        options.autotune.enabled = False
-        return dataset.prefetch(1).with_options(options)
+        return dataset.prefetch(1).with_options(_pipeline_options())
+
+
+def _pipeline_options():
+    """The tf.data options of the split's pipeline (after the split)."""
+    # Bound what runs ahead of training after the split, so a share
+    # change `ShardRebalancer.lag` batches ahead is never too late.
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    # Nor may tf.data run the stateless maps after the split in parallel
+    # (which would pull global batches ahead).
+    options.experimental_optimization.map_parallelization = False
+    # No tf.data autotuning thread. Destroying an iterator (after a fit,
+    # or when Python collects one a stopped fit left behind) joins that
+    # thread, which at random sleeps out its optimization period first,
+    # a period that doubles up to 60 s while the iterator lives (TF 2.21;
+    # stock pipelines too; no upstream issue found): tests stalled for
+    # minutes (docs/benchmarks.md, "Input iterator teardown"). `AUTOTUNE`
+    # parallelism in `map_fn` or the examples' pipeline then takes TF's
+    # default, the core count.
+    options.autotune.enabled = False
+    return options
 
 
 def _all_dense(spec):

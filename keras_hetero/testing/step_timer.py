@@ -16,8 +16,7 @@ class StepTimer(keras.callbacks.Callback):
 
     Wall time is what a user waits; process CPU time (all of this process's
     threads: the replicas' steps, the input pipeline, Python) is the work
-    done, which other tenants of a shared machine change much less: their
-    load stretches the wall time but not this process's CPU seconds.
+    done, including TF's thread pools spinning while they wait.
 
     Attributes:
         seconds: Wall seconds, one float per timed step of the last `fit`.
