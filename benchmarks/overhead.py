@@ -315,6 +315,9 @@ def measure(strategy, width, rounds, steps_per_execution, profile):
             float(np.median(ratios[name])),
             float(np.median(cpu[name])),
             float(np.median(cpu_ratios[name])),
+            # The spread of the rounds' ratios: a difference between two
+            # rows smaller than this is not resolved by the run.
+            tuple(float(q) for q in np.percentile(ratios[name], [25, 75])),
         )
         for name in runs
     }
@@ -324,20 +327,21 @@ def table(strategy, widths, rounds, spes, profile):
     """Markdown rows: one per (W, k, run), ratio to the stock run."""
     lines = [
         "| W | k | run | step (ms) | extra (ms) | "
-        "ratio to stock (median of rounds) | CPU per step (ms) | "
-        "CPU ratio to stock |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "ratio to stock (median of rounds) | rounds' ratios, quartiles | "
+        "CPU per step (ms) | CPU ratio to stock |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for width in widths:
         for k in spes:
             medians = measure(strategy, width, rounds, k, profile)
             stock = medians["stock"][0]
-            for name, (value, ratio, cpu, cpu_ratio) in medians.items():
+            for name, (value, ratio, cpu, cpu_ratio, spread) in medians.items():
                 if name == "stock":
                     continue
                 lines.append(
                     f"| {width} | {k} | {name} | {1000 * value:.2f} | "
                     f"{1000 * (value - stock):.2f} | {ratio:.3f} | "
+                    f"{spread[0]:.3f}-{spread[1]:.3f} | "
                     f"{1000 * cpu:.2f} | {cpu_ratio:.3f} |"
                 )
     return lines

@@ -1,0 +1,269 @@
+"""HeteroModel vs stock keras.Model, the runs taking turns every few steps.
+
+`overhead.py` alternates whole fits (rounds of 40 steps each), so a change
+of the machine's speed between two fits lands in one run and not the other:
+on a shared two-core host its A/A rows move by up to 10%, more than the 3%
+issue 21 asks about. Here every run calls its own train function on its own
+input iterator, as `fit` does each step (and reads the logs to the host, as
+`fit` does for a Python callback), and the runs take turns every `--turn`
+steps (stock, A/A, HeteroModel, ...): a change of speed reaches all of them
+within a few milliseconds. The steps of one turn of every run form a block;
+each block gives each run a ratio (its median step over stock's in the same
+block), and the table gives the median of the blocks' ratios and their
+quartiles.
+
+Two kinds of input. "live": stock iterates `dataset.batch(global)` through
+Keras' split, HeteroModel a `kh.data.shard` dataset, as in `fit`. Each
+pipeline refills its buffers in the background while the other runs step,
+so a turn of several steps (the buffers hold about two) keeps most of a
+pipeline's work inside its own turn. "replayed": each pipeline's output is
+kept in memory after the warm-up and replayed (`overhead.py`'s "input
+replayed from memory"): what is left is the step itself, the figure that
+does not depend on how the logical CPU devices share the host's two cores
+with the input pipeline.
+
+Equal shares, global batch 256 (255 with 3 replicas), MLP 64-W-W-10, Adam,
+`steps_per_execution=1`. Under MultiWorkerMirroredStrategy on Keras 3
+"stock" is HeteroModel's bare step, as in `overhead.py` (stock Keras 3
+cannot fit there). Run: `python benchmarks/interleaved.py` (Mirrored, 2
+replicas), `--replicas 4`, `--workers 2`, `--widths 64 256 --blocks 40`,
+`--profile "per tensor" divide` (overhead.py's variants of the step).
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+from overhead import PROFILE  # noqa: E402
+from overhead import _all_off  # noqa: E402
+from overhead import _pipeline_then  # noqa: E402
+from overhead import build  # noqa: E402
+from overhead import global_batch  # noqa: E402
+from overhead import stock_runs  # noqa: E402
+
+import keras_hetero as kh  # noqa: E402
+
+EXAMPLE_BATCHES = 64  # distinct global batches; the input repeats them
+
+
+def _runs(strategy, width, steps, profile):
+    """name -> (model, distributed dataset, patch while tracing, baseline)."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    batch = global_batch(strategy.num_replicas_in_sync)
+    rows = batch * EXAMPLE_BATCHES
+    x = rng.normal(size=(rows, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(rows,)).astype("int32")
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    # Inputs of known, finite length, as a user's epochs are: whether the
+    # distributed iterator reads through an Optional (partial last batch)
+    # depends on it, and that costs stock ops per step. tf-keras' `fit`
+    # repeats a kh.data.shard dataset (its steps counted per epoch).
+    passes = steps // EXAMPLE_BATCHES + 2
+    stock_class, bare = kh.keras.Model, None
+    if not stock_runs(strategy, 1):
+        stock_class, bare = kh.HeteroModel, _all_off
+    repeats = kh.FLAVOUR == "tf-keras"
+
+    def stock_input(replayed=False):
+        source = examples.repeat(passes).batch(batch)
+        if replayed:
+            # The first pass kept in memory, then replayed.
+            source = examples.batch(batch).cache().repeat(passes)
+        return strategy.experimental_distribute_dataset(source)
+
+    def hetero_input(replayed=False):
+        if not replayed:
+            data = kh.data.shard(
+                examples.repeat(passes), batch, strategy=strategy
+            )
+            return data.as_distributed_dataset(repeat=repeats)
+        # One pass split, kept in memory, then replayed.
+        data = kh.data.shard(examples, batch, strategy=strategy)
+        with _pipeline_then(
+            lambda dataset: dataset.cache().repeat(None if repeats else passes)
+        ):
+            return data.as_distributed_dataset()
+
+    def stock_model():
+        return build(stock_class, strategy, width, 1)
+
+    def hetero_model():
+        return build(kh.HeteroModel, strategy, width, 1)
+
+    runs = {
+        "stock": (stock_model(), stock_input(), bare, "stock"),
+        "stock (A/A)": (stock_model(), stock_input(), bare, "stock"),
+        "HeteroModel": (hetero_model(), hetero_input(), None, "stock"),
+        "stock, input replayed": (
+            stock_model(),
+            stock_input(replayed=True),
+            bare,
+            "stock, input replayed",
+        ),
+        "stock (A/A), input replayed": (
+            stock_model(),
+            stock_input(replayed=True),
+            bare,
+            "stock, input replayed",
+        ),
+        "HeteroModel, input replayed": (
+            hetero_model(),
+            hetero_input(replayed=True),
+            None,
+            "stock, input replayed",
+        ),
+    }
+    # overhead.py's variants of the step itself (one piece switched off
+    # or as before), on replayed input.
+    for name, (patch, source) in PROFILE.items():
+        if source == "shared" and any(part in name for part in profile):
+            runs[f"HeteroModel, {name}, input replayed"] = (
+                hetero_model(),
+                hetero_input(replayed=True),
+                patch,
+                "stock, input replayed",
+            )
+    return runs
+
+
+def _step(function, iterator):
+    """Seconds of one train-function call, its logs read to the host."""
+    started = time.perf_counter()
+    logs = function(iterator)
+    for value in logs.values():
+        np.asarray(value)
+    return time.perf_counter() - started
+
+
+def measure(strategy, width, blocks, turn, profile=()):
+    """name -> (median step seconds, median block ratio, quartiles)."""
+    steps = EXAMPLE_BATCHES + 8 + blocks * turn
+    runs = _runs(strategy, width, steps, profile)
+    functions, iterators = {}, {}
+    for name, (model, data, patch, _) in runs.items():
+        with patch() if patch else contextlib.nullcontext():
+            # Builds the model and optimizer and traces the step.
+            model.fit(data, epochs=1, steps_per_epoch=3, verbose=0)
+            functions[name] = model.make_train_function()
+            iterators[name] = iter(data)
+            for _ in range(EXAMPLE_BATCHES + 2):  # fills the replays
+                _step(functions[name], iterators[name])
+    seconds = {name: [] for name in runs}
+    ratios = {name: [] for name in runs}
+    for number in range(blocks):
+        order = list(runs) if number % 2 == 0 else list(runs)[::-1]
+        block = {name: [] for name in runs}
+        for name in order:
+            for _ in range(turn):
+                block[name].append(_step(functions[name], iterators[name]))
+        medians = {name: np.median(values) for name, values in block.items()}
+        for name, (_, _, _, baseline) in runs.items():
+            seconds[name].extend(block[name])
+            ratios[name].append(medians[name] / medians[baseline])
+    return {
+        name: (
+            float(np.median(seconds[name])),
+            float(np.median(ratios[name])),
+            tuple(float(q) for q in np.percentile(ratios[name], [25, 75])),
+        )
+        for name in runs
+        if name != runs[name][3]
+    }
+
+
+def table(strategy, widths, blocks, turn, profile=()):
+    lines = [
+        "| W | run | step (ms) | ratio (median of blocks) | "
+        "blocks' ratios, quartiles |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for width in widths:
+        for name, (step, ratio, spread) in measure(
+            strategy, width, blocks, turn, profile
+        ).items():
+            lines.append(
+                f"| {width} | {name} | {1000 * step:.2f} | {ratio:.3f} | "
+                f"{spread[0]:.3f}-{spread[1]:.3f} |"
+            )
+    return lines
+
+
+def _mwms_worker(widths, blocks, turn, profile):
+    kh.testing.logical_cpus(1)
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    return table(strategy, widths, blocks, turn, profile)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument(
+        "--turn", type=int, default=10, help="steps per run per turn"
+    )
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        default=[64, 256],
+        help="hidden widths W of the MLP to measure",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        default=(),
+        metavar="PART",
+        help="add overhead.py's step variants whose names contain a PART "
+        "(e.g. 'per tensor' divide), on replayed input",
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--replicas", type=int, default=2)
+    group.add_argument("--workers", type=int, default=0)
+    args = parser.parse_args()
+    if args.workers:
+        where = (
+            f"MultiWorkerMirroredStrategy, {args.workers} worker processes "
+            "(1 logical CPU each, 127.0.0.1)"
+        )
+    else:
+        where = f"MirroredStrategy on {args.replicas} logical CPUs"
+    print(
+        f"interleaved step benchmark, {datetime.date.today()}, Keras flavour "
+        f"{kh.FLAVOUR}, {where}, equal shares, global batch "
+        f"{global_batch(args.workers or args.replicas)}, {args.blocks} "
+        f"blocks of {args.turn} steps per run, MLP 64-W-W-10, load average "
+        f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print()
+    if args.workers:
+        results = kh.testing.run_workers(
+            _mwms_worker,
+            args.workers,
+            timeout=590,
+            args=(args.widths, args.blocks, args.turn, args.profile),
+        )
+        lines = results[0].value
+    else:
+        devices = kh.testing.logical_cpus(args.replicas)
+        lines = table(
+            kh.testing.mirrored(devices),
+            args.widths,
+            args.blocks,
+            args.turn,
+            args.profile,
+        )
+    print("\n".join(lines))
+    print()
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
