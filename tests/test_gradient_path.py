@@ -297,7 +297,8 @@ def test_packed_collective_gives_the_same_bits_as_per_tensor_sums(
 
 
 @pytest.mark.parametrize(
-    "why", ["compression", "sparse gradient", "float64 gradient", "packs"]
+    "why",
+    ["compression", "sparse gradient", "float64 gradient", "packs", "large"],
 )
 def test_collective_packed_by_tensor_when_one_vector_cannot_carry_it(why):
     strategy = helpers.mirrored(DEVICES[:2])
@@ -315,6 +316,9 @@ def test_collective_packed_by_tensor_when_one_vector_cannot_carry_it(why):
             )
         if why == "float64 gradient":
             grads.append(tf.ones([2], tf.float64))
+        if why == "large":
+            # More elements than one copy into a vector is worth.
+            grads.append(tf.ones([aggregation.PACK_LIMIT - 2]))
         compression = "fp16" if why == "compression" else None
         stats = tf.ones([4])
         decisions.append(
@@ -325,6 +329,22 @@ def test_collective_packed_by_tensor_when_one_vector_cannot_carry_it(why):
     decisions = []
     tf.function(lambda: strategy.run(replica))()
     assert decisions == [False, False]  # traced once per replica
+
+
+def test_gradients_up_to_the_pack_limit_travel_in_one_vector():
+    strategy = helpers.mirrored(DEVICES[:2])
+
+    def replica():
+        grads = [tf.ones([aggregation.PACK_LIMIT - 3]), None, tf.ones([3])]
+        stats = tf.ones([4])
+        decisions.append(
+            aggregation._packs_in_one(grads, stats, [], None, None)
+        )
+        return stats
+
+    decisions = []
+    tf.function(lambda: strategy.run(replica))()
+    assert decisions == [True, True]
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,14 @@
 divide by global rows -> clip`. Each piece is a plain function over lists of
 tensors so it can be tested alone.
 
-In the common case (dense float32 gradients, no wire compression, no
-`bytes_per_pack`) `aggregate` packs gradients, telemetry and metric values
-into one flat vector itself and divides the gradients' part once: fewer ops
-per step than a packing and a division per tensor (docs/benchmarks.md,
-"Per-step cost"), with the same bits.
+For a small model (dense float32 gradients of at most `PACK_LIMIT`
+elements, no wire compression, no `bytes_per_pack`) `aggregate` packs
+gradients, telemetry and metric values into one flat vector itself and
+divides the gradients' part once: fewer ops per step than a packing and a
+division per tensor (docs/benchmarks.md, "Per-step cost"), with the same
+bits. Larger gradients go to the collective as they are (it packs them
+itself) and each is divided on its own: copying them into one more vector
+cost more than the ops it saves.
 """
 
 import tensorflow as tf
@@ -16,6 +19,13 @@ import tensorflow as tf
 from keras_hetero import _distribute
 
 WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
+
+# Gradient elements up to which `aggregate` packs one vector itself. Above
+# it the collective's own packing and a division per gradient were faster:
+# packing a large model copies its gradients once more for fewer small ops
+# (measured 2026-12-03, docs/benchmarks.md "Per-step cost": 2-6 points of
+# the step at 85,000 gradient elements, none at 9,000).
+PACK_LIMIT = 32768
 
 
 def compress(grads, compression):
@@ -210,8 +220,9 @@ def aggregate(
 
 def _packs_in_one(grads, stats, extra, compression, options):
     """Whether `_aggregate_packed` applies: a multi-replica context whose
-    replicas are all here, dense gradients (None allowed) and extras of the
-    stats' dtype, no wire compression and no packing options."""
+    replicas are all here, dense gradients (None allowed) of at most
+    `PACK_LIMIT` elements in all and extras of the stats' dtype, no wire
+    compression and no packing options."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return False
@@ -222,7 +233,7 @@ def _packs_in_one(grads, stats, extra, compression, options):
     if options is not None and getattr(options, "bytes_per_pack", 0):
         return False  # the user's own packing of the collective
     tensors = [g for g in grads if g is not None] + list(extra)
-    return (
+    if not (
         all(
             isinstance(t, tf.Tensor)
             and t.dtype == stats.dtype
@@ -230,7 +241,11 @@ def _packs_in_one(grads, stats, extra, compression, options):
             for t in tensors
         )
         and stats.shape.is_fully_defined()
-    )
+    ):
+        return False
+    # A larger model's gradients go to the collective's own packing.
+    size = sum(g.shape.num_elements() for g in grads if g is not None)
+    return size <= PACK_LIMIT
 
 
 def _aggregate_packed(grads, stats, extra, divisor):
