@@ -171,6 +171,8 @@ def _pooled_maps():
 def _per_tensor_collective():
     # The gradient path before 2026-12-03: the collective packs each tensor
     # and each gradient is divided on its own (`aggregation.aggregate`).
+    # Since then also the path of models above `aggregation.PACK_LIMIT`
+    # gradient elements (W=256 here), where this row equals HeteroModel's.
     from keras_hetero.training import aggregation
 
     return _patched(aggregation, "_packs_in_one", lambda *args: False)

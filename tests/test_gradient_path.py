@@ -347,6 +347,30 @@ def test_gradients_up_to_the_pack_limit_travel_in_one_vector():
     assert decisions == [True, True]
 
 
+@pytest.mark.parametrize("path", ["packed", "per tensor"])
+def test_either_side_of_the_pack_limit_trains_like_the_reference(
+    path, monkeypatch
+):
+    # A model above `PACK_LIMIT` takes the per-tensor path: same weights.
+    if path == "per tensor":
+        monkeypatch.setattr(aggregation, "PACK_LIMIT", 0)
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    data = kh.data.shard(
+        helpers.examples(),
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
+        shares=[0.75, 0.25],
+    )
+    history = model.fit(data, epochs=2, verbose=0)
+    reference, reference_history = helpers.reference_fit(epochs=2)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    assert history.history["loss"] == pytest.approx(
+        reference_history["loss"], rel=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     "compression, tolerance", [("fp16", 1e-3), ("bf16", 1e-2)]
 )

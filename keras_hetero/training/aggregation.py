@@ -24,7 +24,7 @@ WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
 # it the collective's own packing and a division per gradient were faster:
 # packing a large model copies its gradients once more for fewer small ops
 # (measured 2026-12-03, docs/benchmarks.md "Per-step cost": 2-6 points of
-# the step at 85,000 gradient elements, none at 9,000).
+# the step at 85,000 gradient elements, none measurable at 9,000).
 PACK_LIMIT = 32768
 
 
