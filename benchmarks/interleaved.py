@@ -2,7 +2,7 @@
 
 `overhead.py` alternates whole fits (rounds of 40 steps each), so a change
 of the machine's speed between two fits lands in one run and not the other:
-on a shared two-core host its A/A rows move by up to 10%, more than the 3%
+on a shared two-core host its A/A rounds spread by 5-20%, more than the 3%
 issue 21 asks about. Here every run calls its own train function on its own
 input iterator, as `fit` does each step (and reads the logs to the host, as
 `fit` does for a Python callback), and the runs take turns every `--turn`
@@ -179,6 +179,7 @@ def measure(strategy, width, blocks, turn, profile=()):
 
 
 def table(strategy, widths, blocks, turn, profile=()):
+    """Markdown rows: one per (W, run), ratio to its baseline's step."""
     lines = [
         "| W | run | step (ms) | ratio (median of blocks) | "
         "blocks' ratios, quartiles |",
