@@ -44,7 +44,10 @@ from overhead import _all_off  # noqa: E402
 from overhead import _pipeline_then  # noqa: E402
 from overhead import build  # noqa: E402
 from overhead import global_batch  # noqa: E402
+from overhead import lines_on  # noqa: E402
+from overhead import mwms_strategy  # noqa: E402
 from overhead import stock_runs  # noqa: E402
+from overhead import where  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
@@ -197,11 +200,7 @@ def table(strategy, widths, blocks, turn, profile=()):
 
 
 def _mwms_worker(widths, blocks, turn, profile):
-    kh.testing.logical_cpus(1)
-    import tensorflow as tf
-
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    return table(strategy, widths, blocks, turn, profile)
+    return table(mwms_strategy(), widths, blocks, turn, profile)
 
 
 def main():
@@ -229,38 +228,22 @@ def main():
     group.add_argument("--replicas", type=int, default=2)
     group.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
-    if args.workers:
-        where = (
-            f"MultiWorkerMirroredStrategy, {args.workers} worker processes "
-            "(1 logical CPU each, 127.0.0.1)"
-        )
-    else:
-        where = f"MirroredStrategy on {args.replicas} logical CPUs"
     print(
         f"interleaved step benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, {where}, equal shares, global batch "
+        f"{kh.FLAVOUR}, {where(args.workers, args.replicas)}, equal shares, "
+        "global batch "
         f"{global_batch(args.workers or args.replicas)}, {args.blocks} "
         f"blocks of {args.turn} steps per run, MLP 64-W-W-10, load average "
         f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     print()
-    if args.workers:
-        results = kh.testing.run_workers(
-            _mwms_worker,
-            args.workers,
-            timeout=590,
-            args=(args.widths, args.blocks, args.turn, args.profile),
-        )
-        lines = results[0].value
-    else:
-        devices = kh.testing.logical_cpus(args.replicas)
-        lines = table(
-            kh.testing.mirrored(devices),
-            args.widths,
-            args.blocks,
-            args.turn,
-            args.profile,
-        )
+    lines = lines_on(
+        args.workers,
+        args.replicas,
+        table,
+        (args.widths, args.blocks, args.turn, args.profile),
+        _mwms_worker,
+    )
     print("\n".join(lines))
     print()
     print(f"load average at end {os.getloadavg()[0]:.1f}")

@@ -349,14 +349,45 @@ def table(strategy, widths, rounds, spes, profile):
     return lines
 
 
-def _mwms_worker(widths, rounds, spes, profile, steps):
-    global STEPS
-    STEPS = steps
+def where(workers, replicas):
+    """The strategy, as the tables' titles name it."""
+    if workers:
+        return (
+            f"MultiWorkerMirroredStrategy, {workers} worker processes "
+            "(1 logical CPU each, 127.0.0.1)"
+        )
+    return f"MirroredStrategy on {replicas} logical CPUs"
+
+
+def mwms_strategy():
+    """In a worker process: one logical CPU, MultiWorkerMirroredStrategy."""
     kh.testing.logical_cpus(1)
     import tensorflow as tf
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    return table(strategy, widths, rounds, spes, profile)
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def lines_on(workers, replicas, table, args, worker, worker_args=None):
+    """`table(strategy, *args)`'s lines: with `workers`, worker 0's
+    `worker(*worker_args)` (default `args`) in that many worker processes
+    (which build their strategy with `mwms_strategy`); else under
+    MirroredStrategy on `replicas` logical CPUs of this process."""
+    if workers:
+        results = kh.testing.run_workers(
+            worker,
+            workers,
+            timeout=590,
+            args=args if worker_args is None else worker_args,
+        )
+        return results[0].value
+    devices = kh.testing.logical_cpus(replicas)
+    return table(kh.testing.mirrored(devices), *args)
+
+
+def _mwms_worker(widths, rounds, spes, profile, steps):
+    global STEPS
+    STEPS = steps
+    return table(mwms_strategy(), widths, rounds, spes, profile)
 
 
 def main():
@@ -392,36 +423,25 @@ def main():
     )
     args = parser.parse_args()
     STEPS = args.steps
-    if args.workers:
-        where = (
-            f"MultiWorkerMirroredStrategy, {args.workers} worker processes "
-            "(1 logical CPU each, 127.0.0.1)"
-        )
-    else:
-        where = f"MirroredStrategy on {args.replicas} logical CPUs"
     load = os.getloadavg()[0]
     print(
         f"overhead benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, {where}, equal shares, global batch "
+        f"{kh.FLAVOUR}, {where(args.workers, args.replicas)}, equal shares, "
+        "global batch "
         f"{global_batch(args.workers or args.replicas)}, "
         f"{args.rounds} alternating rounds of {STEPS} steps, MLP 64-W-W-10, "
         f"load average at start {load:.1f} on {os.cpu_count()} cores"
     )
     print()
-    if args.workers:
-        results = kh.testing.run_workers(
-            _mwms_worker,
-            args.workers,
-            timeout=590,
-            args=(args.widths, args.rounds, args.spe, args.profile, STEPS),
-        )
-        lines = results[0].value
-    else:
-        devices = kh.testing.logical_cpus(args.replicas)
-        strategy = kh.testing.mirrored(devices)
-        lines = table(
-            strategy, args.widths, args.rounds, args.spe, args.profile
-        )
+    table_args = (args.widths, args.rounds, args.spe, args.profile)
+    lines = lines_on(
+        args.workers,
+        args.replicas,
+        table,
+        table_args,
+        _mwms_worker,
+        worker_args=(*table_args, STEPS),
+    )
     if kh.FLAVOUR != "tf-keras" and (args.workers or max(args.spe) > 1):
         print(
             "stock Keras 3 cannot fit under MultiWorkerMirroredStrategy, nor "

@@ -296,19 +296,37 @@ def test_packed_collective_gives_the_same_bits_as_per_tensor_sums(
     assert packed[0][1] is None  # None gradients stay None
 
 
+def _packing_decisions(grads_of, compression=None, options=None):
+    """`_packs_in_one` of `grads_of()` on 2 Mirrored replicas (traced once
+    per replica)."""
+    strategy = helpers.mirrored(DEVICES[:2])
+    decisions = []
+
+    def replica():
+        stats = tf.ones([4])
+        decisions.append(
+            aggregation._packs_in_one(
+                grads_of(), stats, [], compression, options
+            )
+        )
+        return stats
+
+    tf.function(lambda: strategy.run(replica))()
+    return decisions
+
+
 @pytest.mark.parametrize(
     "why",
     ["compression", "sparse gradient", "float64 gradient", "packs", "large"],
 )
 def test_collective_packed_by_tensor_when_one_vector_cannot_carry_it(why):
-    strategy = helpers.mirrored(DEVICES[:2])
     options = None
     if why == "packs":
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=1024
         )
 
-    def replica():
+    def grads_of():
         grads = [tf.ones([3])]
         if why == "sparse gradient":
             grads.append(
@@ -319,32 +337,18 @@ def test_collective_packed_by_tensor_when_one_vector_cannot_carry_it(why):
         if why == "large":
             # More elements than one copy into a vector is worth.
             grads.append(tf.ones([aggregation.PACK_LIMIT - 2]))
-        compression = "fp16" if why == "compression" else None
-        stats = tf.ones([4])
-        decisions.append(
-            aggregation._packs_in_one(grads, stats, [], compression, options)
-        )
-        return stats
+        return grads
 
-    decisions = []
-    tf.function(lambda: strategy.run(replica))()
-    assert decisions == [False, False]  # traced once per replica
+    compression = "fp16" if why == "compression" else None
+    decisions = _packing_decisions(grads_of, compression, options)
+    assert decisions == [False, False]
 
 
 def test_gradients_up_to_the_pack_limit_travel_in_one_vector():
-    strategy = helpers.mirrored(DEVICES[:2])
+    def grads_of():
+        return [tf.ones([aggregation.PACK_LIMIT - 3]), None, tf.ones([3])]
 
-    def replica():
-        grads = [tf.ones([aggregation.PACK_LIMIT - 3]), None, tf.ones([3])]
-        stats = tf.ones([4])
-        decisions.append(
-            aggregation._packs_in_one(grads, stats, [], None, None)
-        )
-        return stats
-
-    decisions = []
-    tf.function(lambda: strategy.run(replica))()
-    assert decisions == [True, True]
+    assert _packing_decisions(grads_of) == [True, True]
 
 
 @pytest.mark.parametrize("path", ["packed", "per tensor"])
