@@ -7,9 +7,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
+from keras_hetero import _compat  # noqa: E402
 from keras_hetero._compat import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(4)
+
+# No tf.data autotuning thread in any iterator the tests make: joining it
+# when an abandoned iterator is collected can stall a later test for up to
+# a minute (_compat.iterators_without_autotuning).
+_compat.iterators_without_autotuning()
 
 
 @pytest.fixture

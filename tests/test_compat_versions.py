@@ -128,3 +128,36 @@ def test_the_symbolic_build_fallback_reads_the_installed_iterator():
     model._maybe_symbolic_build(iterator=_WithoutSpec(entry))
     assert model.built
     assert [tuple(w.shape) for w in model.dense.weights] == [(3, 2), (2,)]
+
+
+def test_iterators_without_autotuning_reach_every_iterator_kind(monkeypatch):
+    # conftest installs the hook; every iterator kind the tests make (eager,
+    # a distributed dataset's multi-device one) must pass through it and
+    # come out without tf.data's autotuning thread.
+    from tensorflow.python.data.ops import dataset_ops
+
+    hooked = dataset_ops.DatasetV2._apply_debug_options
+    seen = []
+
+    def spy(self):
+        dataset = hooked(self)
+        seen.append(dataset.options().autotune.enabled)
+        return dataset
+
+    monkeypatch.setattr(dataset_ops.DatasetV2, "_apply_debug_options", spy)
+    dataset = tf.data.Dataset.range(8).batch(4)
+    assert [int(b[0]) for b in dataset] == [0, 4]
+    eager = len(seen)
+    assert eager >= 1
+    strategy = kh.testing.mirrored(DEVICES[:2])
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    batches = [strategy.gather(b, axis=0).numpy().tolist() for b in distributed]
+    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(seen) > eager
+    assert seen == [False] * len(seen)
+
+    before = dataset_ops.DatasetV2._apply_debug_options
+    undo = _compat.iterators_without_autotuning()
+    assert dataset_ops.DatasetV2._apply_debug_options is not before
+    undo()
+    assert dataset_ops.DatasetV2._apply_debug_options is before

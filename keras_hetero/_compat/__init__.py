@@ -31,6 +31,9 @@ from keras_hetero._compat.data import global_shuffle as global_shuffle
 from keras_hetero._compat.data import host_variable as host_variable
 from keras_hetero._compat.data import inline_map as inline_map
 from keras_hetero._compat.data import (
+    iterators_without_autotuning as iterators_without_autotuning,
+)
+from keras_hetero._compat.data import (
     set_steps_of_distributed_dataset as set_steps_of_distributed_dataset,
 )
 from keras_hetero._compat.data import (

@@ -223,3 +223,40 @@ def inline_map(dataset, map_func):
         use_inter_op_parallelism=False,
         preserve_cardinality=True,
     )
+
+
+def iterators_without_autotuning():
+    """Every tf.data iterator made from now on runs without tf.data's
+    autotuning thread (`options.autotune.enabled = False`); returns a
+    function that undoes it.
+
+    For the test suite only (tests/conftest.py), not for users' pipelines.
+    Destroying an iterator joins that thread, which can first sleep out an
+    optimization period of up to 60 s (docs/benchmarks.md, "Input iterator
+    teardown"; no upstream issue found). A fit stopped mid-epoch leaves its
+    iterator to the garbage collector, so the wait lands in some later test
+    or at exit: in CI, tests of a few seconds took 40-140 s at random.
+    `kh.data.shard` already sets the option; stock pipelines built by
+    tests (`experimental_distribute_dataset`, Keras' own adapters) do not.
+    Every iterator passes its dataset through the private
+    `Dataset._apply_debug_options` first (`OwnedIterator`,
+    `MultiDeviceIterator` and `OwnedMultiDeviceIterator`, TF 2.19-2.21, the
+    tested range, pyproject.toml); the hook sets the option there. Same
+    elements, order and results: only the thread is gone (`AUTOTUNE`
+    parallelism takes TF's default, the core count).
+    """
+    from tensorflow.python.data.ops import dataset_ops
+
+    original = dataset_ops.DatasetV2._apply_debug_options
+
+    def apply_debug_options(self):
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return original(self.with_options(options))
+
+    dataset_ops.DatasetV2._apply_debug_options = apply_debug_options
+
+    def undo():
+        dataset_ops.DatasetV2._apply_debug_options = original
+
+    return undo
