@@ -20,7 +20,8 @@ pipeline's work inside its own turn. "replayed": each pipeline's output is
 kept in memory after the warm-up and replayed (`overhead.py`'s "input
 replayed from memory"): what is left is the step itself, the figure that
 does not depend on how the logical CPU devices share the host's two cores
-with the input pipeline.
+with the input pipeline. Both replays hold the replicas' batches, after
+each split (stock's `rebatch`, HeteroModel's `kh.data.shard`).
 
 Equal shares, global batch 256 (255 with 3 replicas), MLP 64-W-W-10, Adam,
 `steps_per_execution=1`. Under MultiWorkerMirroredStrategy on Keras 3
@@ -75,11 +76,26 @@ def _runs(strategy, width, steps, profile):
     repeats = kh.FLAVOUR == "tf-keras"
 
     def stock_input(replayed=False):
-        source = examples.repeat(passes).batch(batch)
-        if replayed:
-            # The first pass kept in memory, then replayed.
-            source = examples.batch(batch).cache().repeat(passes)
-        return strategy.experimental_distribute_dataset(source)
+        if not replayed:
+            source = examples.repeat(passes).batch(batch)
+            return strategy.experimental_distribute_dataset(source)
+        # The first pass split into replicas' batches as Keras' split does
+        # (`rebatch`, then each worker its own), kept in memory and
+        # replayed: as in HeteroModel's replay, the split's work is not in
+        # the step. (Until 2026-12-04 the global batches were replayed and
+        # `rebatch` ran live in stock's "replayed" runs only.)
+        per_replica = batch // strategy.num_replicas_in_sync
+
+        def per_worker(context):
+            return (
+                examples.batch(batch)
+                .rebatch(per_replica)
+                .shard(context.num_input_pipelines, context.input_pipeline_id)
+                .cache()
+                .repeat(passes)
+            )
+
+        return strategy.distribute_datasets_from_function(per_worker)
 
     def hetero_input(replayed=False):
         if not replayed:
