@@ -178,6 +178,15 @@ def _per_tensor_collective():
     return _patched(aggregation, "_packs_in_one", lambda *args: False)
 
 
+def _every_replica():
+    # Every replica adds the gathered telemetry to its own copy and orders
+    # the update after its own global rows, as before 2026-12-04 (now the
+    # first local replica only: `_distribute.is_first_local_replica`).
+    from keras_hetero import _distribute
+
+    return _patched(_distribute, "is_first_local_replica", lambda: True)
+
+
 def _replayed():
     # The split's output kept in memory after its first pass (warm-up) and
     # replayed: what is left is the step's own cost, without the input
@@ -205,6 +214,10 @@ PROFILE = {
     "split maps on the thread pool (before)": (_pooled_maps, "own"),
     "collective and division per tensor (before)": (
         _per_tensor_collective,
+        "shared",
+    ),
+    "telemetry and update order on every replica (before)": (
+        _every_replica,
         "shared",
     ),
     "input replayed from memory": (_replayed, "own"),

@@ -163,6 +163,25 @@ def replica_id():
     return context.replica_id_in_sync_group if value is None else int(value)
 
 
+def is_first_local_replica():
+    """Whether this replica is the first of its worker's replicas.
+
+    True outside a replica context and with one replica in sync; None where
+    the replica's id is not known while tracing (then every replica should
+    do what only the first needs to). Under MultiWorkerMirroredStrategy a
+    worker's replicas are numbered `task * local + i` (TF's
+    `CollectiveAllReduceExtended`), so the first has `id % local == 0`.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return True
+    value = tf.get_static_value(context.replica_id_in_sync_group)
+    if value is None:
+        return None
+    local = len(getattr(context.strategy.extended, "worker_devices", ()))
+    return int(value) % max(local, 1) == 0
+
+
 def is_chief(strategy):
     """Whether this process writes shared files (checkpoints) for the job.
 

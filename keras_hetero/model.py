@@ -332,7 +332,19 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         def apply(grads):
             _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
 
-        with tf.control_dependencies([global_rows]):
+        # The first local replica's global rows are enough: they exist only
+        # once every replica's data reached the collective, and the update's
+        # merge_call takes the control dependencies of all replicas (each
+        # device's update then waited for every replica's copy, R * (R - 1)
+        # cross-device edges per step; docs/benchmarks.md, "Fewer
+        # cross-device edges"). An XLA-compiled step keeps its own.
+        first = _distribute.is_first_local_replica()
+        waits_for = (
+            [global_rows]
+            if first is not False or _compat.jit_compiled(self)
+            else []
+        )
+        with tf.control_dependencies(waits_for):
             # No variables: Keras skips the update too (nothing to update).
             if variables:
                 loss_scale_lib.guarded_apply(apply, grads, scale, ready)

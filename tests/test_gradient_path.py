@@ -227,6 +227,55 @@ def test_one_collective_per_step_for_gradients_telemetry_and_metrics():
         )
 
 
+def test_first_local_replica_is_known_while_tracing():
+    strategy = helpers.mirrored(DEVICES[:3])
+    outputs = tf.function(
+        lambda: strategy.run(
+            lambda: tf.constant(_distribute.is_first_local_replica())
+        )
+    )()
+    assert [bool(v) for v in strategy.experimental_local_results(outputs)] == [
+        True,
+        False,
+        False,
+    ]
+    assert _distribute.is_first_local_replica() is True  # no replica context
+
+
+def test_telemetry_added_once_per_step_and_exact_with_three_replicas():
+    # Only the first replica adds the gathered stats to its copy of the
+    # totals (a read takes that copy), and only its global rows order the
+    # update: step_stats, the optimizer's steps and the weights are those
+    # of every replica doing both.
+    strategy = helpers.mirrored(DEVICES[:3])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    shares = [0.5, 0.25, 0.25]
+    data = kh.data.shard(
+        helpers.examples(),
+        helpers.GLOBAL_BATCH,
+        strategy=strategy,
+        shares=shares,
+    )
+    record = RecordRows()
+    model.fit(data, epochs=2, verbose=0, callbacks=[record])
+    reference, _ = helpers.reference_fit(epochs=2)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    steps = 2 * -(-helpers.ROWS // helpers.GLOBAL_BATCH)
+    assert int(model.optimizer.iterations.numpy()) == steps
+    full = kh.data.rows_from_shares(shares, helpers.GLOBAL_BATCH).tolist()
+    last = kh.data.rows_from_shares(
+        shares, helpers.ROWS % helpers.GLOBAL_BATCH
+    ).tolist()
+    assert record.rows == ([tuple(full)] * (steps // 2 - 1) + [tuple(last)]) * 2
+    stats = model.step_stats
+    assert stats.step == steps and stats.steps == 1
+    assert np.all(stats.compute_seconds > 0)
+    copies = model._hetero.telemetry.totals.values
+    assert copies[0].numpy()[0] == steps
+    assert not np.any(copies[1].numpy()) and not np.any(copies[2].numpy())
+
+
 def _aggregate_on_replicas(grads_of, extra_of, path, **kwargs):
     """`aggregate` on 2 Mirrored replicas whose inputs differ by replica
     id: `path` is "packed" (must take the one-vector path) or "per tensor"

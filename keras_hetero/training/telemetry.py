@@ -154,6 +154,11 @@ class Telemetry(TelemetrySource):
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="keras_hetero_telemetry",
             )
+        # One copy per local replica (Mirrored, MultiWorkerMirrored): the
+        # first holds all a read needs. Else (CentralStorageStrategy's one
+        # copy) an update in a replica is a merge_call, which every replica
+        # must make alike.
+        self._copy_per_replica = len(getattr(self.totals, "values", ())) > 1
         self.reset()
 
     def record(self, gathered_stats, steps=None):
@@ -165,6 +170,14 @@ class Telemetry(TelemetrySource):
                 (a float64 tensor), recorded at a synchronisation, whose
                 steps `count_step` counted. Defaults to this one step.
         """
+        if (
+            self._copy_per_replica
+            and _distribute.is_first_local_replica() is False
+        ):
+            # Every replica holds the same gathered sums and a read takes
+            # the first local copy: the other replicas' additions were ops
+            # for nothing (docs/benchmarks.md, "Fewer cross-device edges").
+            return
         counts = (
             tf.ones([2], tf.float64)
             if steps is None
