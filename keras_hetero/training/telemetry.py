@@ -135,9 +135,9 @@ class Telemetry(TelemetrySource):
 
     The variable is `[steps, measured steps, rows_0..rows_R-1,
     seconds_0..seconds_R-1]`, summed over all steps so far. It is ON_READ
-    with ONLY_FIRST_REPLICA: each
-    replica adds the same all-reduced numbers locally (no merge, no extra
-    collective) and a read takes the first copy.
+    with ONLY_FIRST_REPLICA: the first local replica adds the all-reduced
+    numbers to its own copy (no merge, no extra collective; the others hold
+    the same numbers and skip it) and a read takes that first copy.
     """
 
     def __init__(self, strategy, devices, waits=False):
