@@ -136,8 +136,9 @@ class Telemetry(TelemetrySource):
     The variable is `[steps, measured steps, rows_0..rows_R-1,
     seconds_0..seconds_R-1]`, summed over all steps so far. It is ON_READ
     with ONLY_FIRST_REPLICA: the first local replica adds the all-reduced
-    numbers to its own copy (no merge, no extra collective; the others hold
-    the same numbers and skip it) and a read takes that first copy.
+    numbers to its own copy (no merge, no extra collective; the others
+    would add the same numbers, so they skip it and their copies stay
+    untouched) and a read takes that first copy.
     """
 
     def __init__(self, strategy, devices, waits=False):
@@ -174,7 +175,7 @@ class Telemetry(TelemetrySource):
             self._copy_per_replica
             and _distribute.is_first_local_replica() is False
         ):
-            # Every replica holds the same gathered sums and a read takes
+            # Every replica has the same gathered sums and a read takes
             # the first local copy: the other replicas' additions were ops
             # for nothing (docs/benchmarks.md, "Fewer cross-device edges").
             return
