@@ -175,11 +175,11 @@ def is_first_local_replica():
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return True
-    value = tf.get_static_value(context.replica_id_in_sync_group)
-    if value is None:
-        return None
+    value = replica_id()
+    if not isinstance(value, int):
+        return None  # a tensor: not known while tracing
     local = len(getattr(context.strategy.extended, "worker_devices", ()))
-    return int(value) % max(local, 1) == 0
+    return value % max(local, 1) == 0
 
 
 def is_chief(strategy):
