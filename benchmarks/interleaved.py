@@ -28,7 +28,9 @@ Equal shares, global batch 256 (255 with 3 replicas), MLP 64-W-W-10, Adam,
 "stock" is HeteroModel's bare step, as in `overhead.py` (stock Keras 3
 cannot fit there). Run: `python benchmarks/interleaved.py` (Mirrored, 2
 replicas), `--replicas 4`, `--workers 2`, `--widths 64 256 --blocks 40`,
-`--profile "per tensor" divide` (overhead.py's variants of the step).
+`--profile "per tensor" divide` (overhead.py's variants of the step, on
+replayed input; its variants on Keras' own split, "Keras' input split" and
+"all four off", run live on stock's input, against live stock).
 """
 
 import argparse
@@ -141,13 +143,25 @@ def _runs(strategy, width, steps, profile):
     }
     # overhead.py's variants of the step itself (one piece switched off
     # or as before), on replayed input.
+    # Those on Keras' own split ("Keras' input split", "all four off") run
+    # live, beside stock on the same input: HeteroModel's step on stock's
+    # pipeline, which separates the input's part of the live ratio.
     for name, (patch, source) in PROFILE.items():
-        if source == "shared" and any(part in name for part in profile):
+        if not any(part in name for part in profile):
+            continue
+        if source == "shared":
             runs[f"HeteroModel, {name}, input replayed"] = (
                 hetero_model(),
                 hetero_input(replayed=True),
                 patch,
                 "stock, input replayed",
+            )
+        elif source == "keras" and stock_runs(strategy, 1):
+            runs[f"HeteroModel, {name}"] = (
+                hetero_model(),
+                stock_input(),
+                patch,
+                "stock",
             )
     return runs
 
@@ -238,7 +252,8 @@ def main():
         default=(),
         metavar="PART",
         help="add overhead.py's step variants whose names contain a PART "
-        "(e.g. 'per tensor' divide), on replayed input",
+        "(e.g. 'per tensor' divide), on replayed input; those on Keras' "
+        "input split live, on stock's input",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--replicas", type=int, default=2)
