@@ -276,6 +276,48 @@ def test_with_options_prefetch_and_cache_keep_the_split():
     np.testing.assert_allclose(view.shares, [0.25, 0.75])
 
 
+@pytest.mark.parametrize("buffer_size", [None, 0, 3, tf.data.AUTOTUNE])
+def test_prefetch_before_the_split_keeps_elements_and_share_changes(
+    buffer_size,
+):
+    # `prefetch(n)` reads global batches ahead BEFORE the split (none by
+    # default, 0 too). The bounds are read at the split, so a change of
+    # shares made while iterating still splits every batch not yet split
+    # by the new shares, and every example comes once, in order.
+    strategy = helpers.mirrored(DEVICES[:2])
+    dataset = _ids_dataset(strategy, [0.7, 0.3], rows=6 * helpers.GLOBAL_BATCH)
+    if buffer_size is not None:
+        dataset = dataset.prefetch(buffer_size)
+    iterator = iter(dataset.as_distributed_dataset())
+    parts = []
+    for index in range(6):
+        if index == 1:
+            start = dataset.set_shares([0.25, 0.75], from_batch=4)
+            assert start == (0, 4)
+        parts.append(
+            [
+                np.asarray(part).tolist()
+                for part in strategy.experimental_local_results(next(iterator))
+            ]
+        )
+    rows = [[len(part) for part in batch] for batch in parts]
+    big = helpers.GLOBAL_BATCH
+    before = kh.data.rows_from_shares([0.7, 0.3], big).tolist()
+    after = kh.data.rows_from_shares([0.25, 0.75], big).tolist()
+    assert rows == [before] * 4 + [after] * 2
+    flat = [row for batch in parts for part in batch for row in part]
+    assert flat == list(range(6 * big))
+
+
+@pytest.mark.parametrize("bad", [-2, 1.5, "2", True])
+def test_prefetch_refuses_a_bad_buffer_size(bad):
+    dataset = kh.data.shard(helpers.examples(), 16)
+    with pytest.raises(ValueError, match="buffer_size=") as caught:
+        dataset.prefetch(bad)
+    assert repr(bad) in str(caught.value)
+    assert "tf.data.AUTOTUNE" in str(caught.value)
+
+
 def test_pipeline_runs_without_the_autotuning_thread():
     # With tf.data's autotuning thread, destroying the iterator of a fit
     # stopped mid-epoch blocked for as long as the fit had run (up to 60 s):
