@@ -309,7 +309,9 @@ def test_prefetch_before_the_split_keeps_elements_and_share_changes(
     assert flat == list(range(6 * big))
 
 
-@pytest.mark.parametrize("bad", [-2, 1.5, "2", True])
+@pytest.mark.parametrize(
+    "bad", [-2, 1.5, "2", True, np.array([1, 2])], ids=repr
+)
 def test_prefetch_refuses_a_bad_buffer_size(bad):
     dataset = kh.data.shard(helpers.examples(), 16)
     with pytest.raises(ValueError, match="buffer_size=") as caught:

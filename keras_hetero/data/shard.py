@@ -1,6 +1,7 @@
 """`kh.data.shard`: global batches split into per-replica slices by shares."""
 
 import copy
+import numbers
 import threading
 import warnings
 
@@ -461,7 +462,8 @@ class HeteroDataset:
 
         They are prefetched BEFORE the split into replicas' rows, so share
         changes still apply to every batch not yet split. Without a call
-        nothing is prefetched there (after the split, one replica's slice).
+        nothing is prefetched there (the pipeline prefetches one replica's
+        slice after the split).
 
         Args:
             buffer_size: Global batches to prefetch (0: none), or
@@ -483,7 +485,12 @@ class HeteroDataset:
         >>> data.num_batches
         2
         """
-        if buffer_size != tf.data.AUTOTUNE:
+        autotune = (
+            isinstance(buffer_size, numbers.Integral)
+            and not isinstance(buffer_size, bool)
+            and buffer_size == tf.data.AUTOTUNE
+        )
+        if not autotune:
             buffer_size = check_int(
                 "buffer_size",
                 buffer_size,
@@ -548,8 +555,8 @@ class HeteroDataset:
 
         batches = tf.data.Dataset.range(1).flat_map(batches_of_pass)
         # No prefetch here unless asked: one global batch prefetched before
-        # the split by default measured either sign, -6.6 to +3.2 points of
-        # the live step with 3 replicas (docs/benchmarks.md, "The live
+        # the split by default measured either sign, -10.7 to +3.2 points
+        # of the live step with 3 replicas (docs/benchmarks.md, "The live
         # input's part, separated").
         if self._prefetch:
             batches = batches.prefetch(self._prefetch)
