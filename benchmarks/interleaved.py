@@ -274,6 +274,9 @@ def main():
         table,
         (args.widths, args.blocks, args.turn, args.profile),
         _mwms_worker,
+        # 300 blocks with 3 workers ran over the old fixed 590 s: about
+        # 3 s per block and width covers MWMS steps of up to 30 ms.
+        timeout=590 + 3 * args.blocks * len(args.widths),
     )
     print("\n".join(lines))
     print()

@@ -380,16 +380,19 @@ def mwms_strategy():
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 
-def lines_on(workers, replicas, table, args, worker, worker_args=None):
+def lines_on(
+    workers, replicas, table, args, worker, worker_args=None, timeout=590
+):
     """`table(strategy, *args)`'s lines: with `workers`, worker 0's
     `worker(*worker_args)` (default `args`) in that many worker processes
-    (which build their strategy with `mwms_strategy`); else under
-    MirroredStrategy on `replicas` logical CPUs of this process."""
+    (which build their strategy with `mwms_strategy`, and are stopped after
+    `timeout` seconds); else under MirroredStrategy on `replicas` logical
+    CPUs of this process."""
     if workers:
         results = kh.testing.run_workers(
             worker,
             workers,
-            timeout=590,
+            timeout=timeout,
             args=args if worker_args is None else worker_args,
         )
         return results[0].value
