@@ -288,18 +288,13 @@ def test_prefetch_before_the_split_keeps_elements_and_share_changes(
     dataset = _ids_dataset(strategy, [0.7, 0.3], rows=6 * helpers.GLOBAL_BATCH)
     if buffer_size is not None:
         dataset = dataset.prefetch(buffer_size)
-    iterator = iter(dataset.as_distributed_dataset())
+    slices = _slices(strategy, dataset.as_distributed_dataset())
     parts = []
     for index in range(6):
         if index == 1:
             start = dataset.set_shares([0.25, 0.75], from_batch=4)
             assert start == (0, 4)
-        parts.append(
-            [
-                np.asarray(part).tolist()
-                for part in strategy.experimental_local_results(next(iterator))
-            ]
-        )
+        parts.append(next(slices))
     rows = [[len(part) for part in batch] for batch in parts]
     big = helpers.GLOBAL_BATCH
     before = kh.data.rows_from_shares([0.7, 0.3], big).tolist()
