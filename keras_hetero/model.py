@@ -923,6 +923,22 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 kwargs.setdefault("steps", x.num_batches)
         return super().predict(self._as_input(x), *args, **kwargs)
 
+    def train_on_batch(self, *args, **kwargs):
+        # tf-keras with steps_per_execution > 1 asked its one batch for a
+        # second (`_compat.one_batch_per_call`).
+        with _compat.one_batch_per_call(self, "train"):
+            return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        with _compat.one_batch_per_call(self, "test"):
+            return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, x):
+        with _compat.one_batch_per_call(self, "predict"):
+            outputs = super().predict_on_batch(x)
+        # Keras 3 with several replicas: each predicted the whole batch.
+        return _compat.one_batch_outputs(self, x, outputs)
+
     def _check_strategy(self, method):
         if (
             method in ("fit", "evaluate")

@@ -203,16 +203,55 @@ def test_train_function_reads_the_telemetry_itself(
     assert model.step_stats.step == 4
     assert sorted(history.history) == ["loss", "mae"]
     assert logs_seen == [["loss", "mae"]] * calls
-    if steps_per_execution == 1:
-        # (tf-keras' own train_on_batch fails with steps_per_execution > 1:
-        # its loop asks the one batch for a second.)
-        x, y, _, _ = helpers.arrays(rows=16)
-        logs = model.train_on_batch(x, y, return_dict=True)
-        assert sorted(logs) == ["loss", "mae"]
-        assert model.step_stats.step == 5 and model.step_stats.steps == 1
-        calls += 1
+    x, y, _, _ = helpers.arrays(rows=16)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert sorted(logs) == ["loss", "mae"]
+    assert model.step_stats.step == 5 and model.step_stats.steps == 1
+    calls += 1
     read_in_call = [totals is not None for totals in given]
     assert read_in_call == [kh.FLAVOUR == "keras3"] * calls
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_on_batch_methods_take_one_step_whatever_steps_per_execution(
+    steps_per_execution,
+):
+    # tf-keras' own *_on_batch fail with steps_per_execution > 1 (their loop
+    # asks the one batch for a second): each call is one exact step here,
+    # and fit afterwards still runs steps_per_execution steps per call.
+    # (Keras 3's own predict_on_batch returns each row once per replica.)
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model(steps_per_execution=steps_per_execution)
+    reference = helpers.compile_model(keras.Model(*helpers.layers()))
+    reference.set_weights(helpers.initial_weights())
+    x, y, _, _ = helpers.arrays(rows=32)
+    for rows in (slice(0, 16), slice(16, 32)):
+        logs = model.train_on_batch(x[rows], y[rows], return_dict=True)
+        want = reference.train_on_batch(x[rows], y[rows], return_dict=True)
+        np.testing.assert_allclose(logs["loss"], want["loss"], rtol=1e-5)
+        assert model.step_stats.steps == 1
+        # Keras 3's *_on_batch give each replica the whole batch (stock
+        # too); tf-keras splits it.
+        split = [16, 16] if kh.FLAVOUR == "keras3" else [8, 8]
+        assert model.step_stats.rows.tolist() == split
+    assert model.step_stats.step == 2
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    logs = model.test_on_batch(x, y, return_dict=True)
+    want = reference.test_on_batch(x, y, return_dict=True)
+    np.testing.assert_allclose(logs["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        model.predict_on_batch(x),
+        reference.predict_on_batch(x),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    dataset = kh.data.shard(helpers.examples(rows=96), 16, strategy=strategy)
+    seen = _record_stats(model, dataset)
+    assert [s.steps for s in seen] == [steps_per_execution] * (
+        6 // steps_per_execution
+    )
+    assert model.step_stats.step == 8
 
 
 def test_steps_per_execution_with_replicas():

@@ -104,6 +104,8 @@ from keras_hetero._compat.model import inbound_nodes as inbound_nodes
 from keras_hetero._compat.model import init_functional as init_functional
 from keras_hetero._compat.model import jit_compiled as jit_compiled
 from keras_hetero._compat.model import model_strategy as model_strategy
+from keras_hetero._compat.model import one_batch_outputs as one_batch_outputs
+from keras_hetero._compat.model import one_batch_per_call as one_batch_per_call
 from keras_hetero._compat.model import (
     reduce_logs_to_first_replica as reduce_logs_to_first_replica,
 )

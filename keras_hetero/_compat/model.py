@@ -1,5 +1,7 @@
 """Model construction, configuration and compile internals of both flavours."""
 
+import contextlib
+
 import tensorflow as tf
 
 from keras_hetero._compat.flavour import IS_LEGACY
@@ -132,6 +134,61 @@ def steps_per_execution(model):
     if hasattr(value, "numpy"):
         value = value.numpy()
     return int(value or 1)
+
+
+@contextlib.contextmanager
+def one_batch_per_call(model, kind):
+    """tf-keras only: `train_on_batch`, `test_on_batch` and
+    `predict_on_batch` run one step when `steps_per_execution > 1`.
+
+    Upstream (tf-keras 2.21, `Model.make_train_function` and its test and
+    predict twins): with `steps_per_execution > 1` the function loops
+    `tf.range(self._steps_per_execution)` over its iterator, and the
+    `*_on_batch` methods give it a one-batch iterator, so the second step
+    raises `OutOfRangeError` (stock `keras.Model` too; no upstream issue
+    found). The loop reads the variable when it runs: the function is made
+    first with the compiled value (as `fit` will use it), then runs with
+    the variable at 1, which is restored after the call. Keras 3 stops at
+    the end of its one-batch iterator by itself.
+
+    Args:
+        model: The compiled HeteroModel.
+        kind: `"train"`, `"test"` or `"predict"`.
+    """
+    variable = getattr(model, "_steps_per_execution", None)
+    if (
+        not IS_LEGACY
+        or variable is None  # not compiled: Keras' own error
+        or getattr(model, "_cluster_coordinator", None) is not None
+        or int(variable.numpy()) == 1
+    ):
+        yield
+        return
+    with model.distribute_strategy.scope():  # as Keras makes it
+        getattr(model, f"make_{kind}_function")()
+    compiled = int(variable.numpy())
+    variable.assign(1)
+    try:
+        yield
+    finally:
+        variable.assign(compiled)
+
+
+def one_batch_outputs(model, x, outputs):
+    """`predict_on_batch`'s outputs for `x`'s rows once, in order.
+
+    Upstream (Keras 3.10-3.15, TF backend, `TensorFlowTrainer.
+    predict_on_batch`): under a strategy with several replicas the batch
+    is not split; every replica predicts all of it and the outputs are
+    concatenated replica after replica, so `len(outputs)` is replicas
+    times the rows (stock `keras.Model` too; no upstream issue found).
+    The first replica's part is the answer. tf-keras splits the batch.
+    """
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if IS_LEGACY or replicas == 1:
+        return outputs
+    rows = int(tf.nest.flatten(x)[0].shape[0])
+    return tf.nest.map_structure(lambda value: value[:rows], outputs)
 
 
 def jit_compiled(model):
