@@ -936,6 +936,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     def predict_on_batch(self, x):
         with _compat.one_batch_per_call(self, "predict"):
             outputs = super().predict_on_batch(x)
+        if _distribute.num_workers(self.distribute_strategy) > 1:
+            # Keras 3 gathers every worker's outputs, each of its own batch:
+            # which rows are this worker's is not known here; as Keras.
+            return outputs
         # Keras 3 with several replicas: each predicted the whole batch.
         return _compat.one_batch_outputs(self, x, outputs)
 

@@ -183,6 +183,8 @@ def one_batch_outputs(model, x, outputs):
     concatenated replica after replica, so `len(outputs)` is replicas
     times the rows (stock `keras.Model` too; no upstream issue found).
     The first replica's part is the answer. tf-keras splits the batch.
+    For one worker's replicas only: with several workers Keras gathers
+    every worker's outputs, and the caller leaves them as they are.
     """
     replicas = model.distribute_strategy.num_replicas_in_sync
     if IS_LEGACY or replicas == 1:
