@@ -155,23 +155,21 @@ def one_batch_per_call(model, kind):
         model: The compiled HeteroModel.
         kind: `"train"`, `"test"` or `"predict"`.
     """
-    variable = getattr(model, "_steps_per_execution", None)
+    compiled = steps_per_execution(model)  # 1 if not compiled
     if (
         not IS_LEGACY
-        or variable is None  # not compiled: Keras' own error
+        or compiled == 1
         or getattr(model, "_cluster_coordinator", None) is not None
-        or int(variable.numpy()) == 1
     ):
         yield
         return
     with model.distribute_strategy.scope():  # as Keras makes it
         getattr(model, f"make_{kind}_function")()
-    compiled = int(variable.numpy())
-    variable.assign(1)
+    model._steps_per_execution.assign(1)
     try:
         yield
     finally:
-        variable.assign(compiled)
+        model._steps_per_execution.assign(compiled)
 
 
 def one_batch_outputs(model, x, outputs):
