@@ -244,7 +244,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         timed = not _compat.jit_compiled(self) and not (
             _distribute.is_parameter_server(tf.distribute.get_strategy())
         )
-        start = telemetry.clock(rows, timed)
+        # The start: this step's input is on the replica's device and the
+        # device has finished the work queued before it (telemetry.clock).
+        start = telemetry.clock([rows, *tf.nest.flatten(x)], timed)
         with tf.control_dependencies([start]):
             x = tf.nest.map_structure(
                 lambda t: None if t is None else tf.identity(t), x
@@ -284,8 +286,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 start,
                 timed,
             )
-        with tf.control_dependencies(_dependencies(grads)):
-            seconds = telemetry.clock(rows, timed) - start
+        # The end: every gradient finished on its device (a data edge
+        # through a host copy, telemetry.clock), before the collective.
+        seconds = telemetry.clock([rows, *grads], timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         stats = telemetry.stats_vector(num_replicas, rows, seconds)
         packed = self._packs_metrics()
@@ -364,8 +367,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         `training.low_communication`)."""
         x, y, y_pred, sample_weight = data
         local = self._local_training()
-        with tf.control_dependencies(_dependencies(grads)):
-            seconds = telemetry.clock(rows, timed) - start
+        seconds = telemetry.clock([rows, *grads], timed) - start
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         stats = telemetry.stats_vector(num_replicas, rows, seconds)
         # A replica without rows applies zero gradients; its weights then
@@ -1103,13 +1105,3 @@ def _derive_from_functional(cls):
         return cls
     cls.__bases__ = tuple(_derive_from_functional(b) for b in cls.__bases__)
     return cls
-
-
-def _dependencies(grads):
-    deps = []
-    for grad in grads:
-        if isinstance(grad, tf.IndexedSlices):
-            deps.append(grad.values)
-        elif grad is not None:
-            deps.append(grad)
-    return deps

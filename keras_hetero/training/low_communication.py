@@ -28,6 +28,7 @@ from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
+from keras_hetero.training.telemetry import clock
 
 COMPRESSIONS = (None, "fp16", "bf16", "int8")
 
@@ -291,7 +292,9 @@ class LocalTraining:
             for anchor, weight in zip(self.anchors, weights)
         ]
         context = tf.distribute.get_replica_context()
-        arrived = _compat.unordered_timestamp(rows)
+        # Arrival: this replica's local work finished on its device (its
+        # deltas; a data edge through a host copy, see `clock`).
+        arrived = clock([rows, *deltas])
         waits = tf.one_hot(
             _distribute.replica_id(), self.num_replicas, dtype=tf.float32
         ) * tf.identity(self.last_wait)
@@ -312,7 +315,7 @@ class LocalTraining:
                 axis=0,
             )
         head = context.all_reduce(tf.distribute.ReduceOp.SUM, payload)
-        wait = _compat.unordered_timestamp(head) - arrived
+        wait = clock(head) - arrived
         telemetry = self.model._hetero.telemetry
         if telemetry is not None:
             # The round's steps, every replica's rows, seconds, last waits.

@@ -67,20 +67,157 @@ class StepStats:
             )
 
 
-def clock(dependency, enabled=True):
-    """Time in seconds (`tf.timestamp`), taken once `dependency` is computed.
+def clock(dependencies, enabled=True):
+    """Time in seconds (`tf.timestamp`), once `dependencies` are FINISHED.
+
+    "Finished" means on the device that computes them, not only enqueued:
+    an accelerator's (GPU) kernel counts as done for TensorFlow's executor
+    as soon as it is queued on the device's stream, so a host clock ordered
+    after it by a control edge reads the time to *enqueue* the work. Here
+    the reading instead takes a data input that exists only once the device
+    has run every kernel before it: `device_token`'s host copy of one
+    element of each tensor. Tensors on the host CPU (a CPU replica, the
+    logical CPUs of the tests) are finished when their kernel returns; they
+    are waited for by a control edge, which costs no extra op.
 
     In-graph and unordered with the other replicas' clocks (see
     `_compat.unordered_timestamp`): a stateful op would serialise the
     replicas' steps, and a host callback (`numpy_function`) costs a Python
-    call per reading.
+    call per reading. The reading runs on the host CPU of the replica's
+    task.
 
-    With `enabled=False` (an XLA-compiled step takes no readings) the
-    time is NaN: "not measured" to everything that reads it.
+    Args:
+        dependencies: A tensor or a list of tensors (None and
+            `tf.IndexedSlices` accepted), e.g. a replica's gradients.
+        enabled: With False (an XLA-compiled step takes no readings) the
+            time is NaN: "not measured" to everything that reads it.
+
+    Returns:
+        A float64 scalar tensor on the host CPU.
     """
     if not enabled:
         return tf.constant(np.nan, tf.float64)
-    return _compat.unordered_timestamp(dependency)
+    tensors = _tensors(dependencies)
+    if not tensors:
+        raise ValueError(
+            "Invalid value for argument `dependencies`. Received: "
+            f"dependencies={dependencies!r}. Expected at least one tensor."
+        )
+    on_device = [t for t in tensors if not _on_host(t.device)]
+    on_host = [t for t in tensors if _on_host(t.device)]
+    with tf.device(_host_of(tensors[0].device)):
+        token = device_token(on_device) if on_device else None
+        if token is None:
+            # Nothing numeric on a device (e.g. string inputs): their
+            # producers' completion is what there is to wait for.
+            token, *on_host = on_host + on_device
+        with tf.control_dependencies(on_host):
+            return _compat.unordered_timestamp(token)
+
+
+def device_token(tensors):
+    """A host float32 scalar that exists once every tensor is computed.
+
+    Why this waits for the device's work, not its enqueuing (TensorFlow
+    2.19-2.21 source):
+
+    - the value is made on each tensor's own device from the tensor (a
+      one-element slice, `tf.concat` per device): a kernel queued on that
+      device's compute stream after the kernels that made the tensors;
+    - its consumer (`tf.reduce_sum`) is placed on the host CPU, so the
+      graph partitioner puts a `_Send`/`_Recv` pair on the edge
+      (tensorflow/core/graph/graph_partition.cc, `Partition`: a data edge
+      between devices becomes Send/Recv; a CONTROL edge becomes the
+      `AddDummyConst` empty constant instead, which is why a control
+      dependency is not enough);
+    - the `_Recv` on the host completes through `SameWorkerRecvDone`
+      (tensorflow/core/common_runtime/rendezvous_mgr.cc): its shortcut
+      (share the buffer, no wait) applies only when the sent tensor is in
+      host memory; a float tensor made by a device kernel is not, so it
+      calls `CopyTensor::ViaDMA` (tensorflow/core/common_runtime/
+      copy_tensor.cc, "gpu -> cpu": `CopyDeviceToHost` ->
+      `send_dev_context->CopyDeviceTensorToCPU`) -> `GPUUtil::
+      CopyGPUTensorToCPU` (tensorflow/core/common_runtime/gpu/
+      gpu_util.cc): it makes the device-to-host stream
+      `ThenWaitFor(send_stream)` (the compute stream as far as it was
+      queued: every kernel before the slice), queues the copy, and calls
+      `done` from `event_mgr->ThenExecute(send_device_to_host_stream,
+      ...)`: only once the stream has executed all of that. The `_Recv`
+      output, and so the clock that reads it, exists only then. The cast
+      to float32 keeps the piece a device kernel's output in device
+      memory whatever the tensor's dtype (TensorFlow keeps int32 slices on
+      a GPU in host memory, which would take the shortcut).
+
+    The token's value means nothing (it may be NaN or inf); it is an
+    ordering device only.
+
+    Args:
+        tensors: Tensors on any devices (None entries and non-numeric
+            tensors are skipped).
+
+    Returns:
+        A float32 scalar tensor on the host CPU, or None when no tensor
+        was numeric.
+    """
+    by_device = {}
+    for tensor in _tensors(tensors):
+        dtype = tf.as_dtype(tensor.dtype)
+        if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+            continue
+        with tf.device(tensor.device):
+            # One element (none of an empty tensor), by kernels on the
+            # tensor's device.
+            piece = tf.reshape(tensor, [-1])[:1]
+            if piece.dtype != tf.float32:
+                piece = tf.cast(piece, tf.float32)
+        by_device.setdefault(tensor.device, []).append(piece)
+    if not by_device:
+        return None
+    parts = []
+    for device, pieces in by_device.items():
+        with tf.device(device):
+            # One device-to-host copy per device, whatever the tensors.
+            parts.append(
+                pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
+            )
+    with tf.device(_host_of(next(iter(by_device)))):
+        return tf.reduce_sum(
+            tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+        )
+
+
+def _tensors(structure):
+    """The tensors of `structure` (a tensor or a list), None left out and
+    `tf.IndexedSlices` as their values."""
+    tensors = []
+    for item in tf.nest.flatten(structure):
+        if isinstance(item, tf.IndexedSlices):
+            item = item.values
+        if item is not None:
+            tensors.append(item)
+    return tensors
+
+
+def _on_host(device):
+    """Whether `device` (a device string, maybe empty) is a host CPU, whose
+    kernels are finished when they return."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.device_type is not None:
+        return spec.device_type.upper() == "CPU"
+    # No device given: TensorFlow places such ops on an accelerator if the
+    # process has one, else on the CPU.
+    return all(
+        device.device_type == "CPU"
+        for device in tf.config.list_logical_devices()
+    )
+
+
+def _host_of(device):
+    """The host CPU of the task that `device` belongs to."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.device_type is not None and spec.device_type.upper() == "CPU":
+        return spec.to_string()
+    return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
 def stats_vector(num_replicas, rows, seconds):

@@ -1,0 +1,178 @@
+"""The per-replica clock waits for the DEVICE to finish, by construction.
+
+CI has no GPU, so these tests read the traced step's graph with the replica
+placed on a GPU device string (tracing places nothing; nothing runs): the
+end reading must be reachable from every gradient by data edges that cross
+from the device to the host CPU (a device-to-host copy completes only after
+the device's earlier kernels, `telemetry.device_token`), not by control
+edges alone (a GPU kernel counts as done once it is queued).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_hetero as kh
+from keras_hetero._compat import keras
+from keras_hetero.training import telemetry
+
+TASK = "/job:localhost/replica:0/task:0"
+GPU = f"{TASK}/device:GPU:0"
+HOST = f"{TASK}/device:CPU:0"
+
+
+def _model():
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4)(inputs)
+    model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer="sgd", loss="mse")
+    # One real step on the CPU builds the optimizer and the telemetry.
+    model.fit(
+        np.ones((8, 3), np.float32),
+        np.ones((8, 1), np.float32),
+        batch_size=8,
+        verbose=0,
+    )
+    return model
+
+
+def _traced_step(model, device, monkeypatch):
+    """The train step traced with the replica on `device`; returns the
+    clock readings it made, as `(dependencies, reading)` pairs."""
+    readings = []
+    original = telemetry.clock
+
+    def recording_clock(dependencies, enabled=True):
+        reading = original(dependencies, enabled)
+        readings.append((dependencies, reading))
+        return reading
+
+    monkeypatch.setattr(telemetry, "clock", recording_clock)
+
+    def step(data):
+        with tf.device(device):  # as a strategy places a replica's step
+            return model.train_step(data)
+
+    spec = (tf.TensorSpec([None, 3]), tf.TensorSpec([None, 1]))
+    tf.function(step).get_concrete_function(spec)
+    return readings
+
+
+def _data_ancestors(op, follow):
+    """Ops reaching `op` by data edges only, walking through the ops for
+    which `follow(op)` holds; returns (walked ops, first ops not followed)."""
+    walked, stopped, stack = set(), set(), [op]
+    while stack:
+        current = stack.pop()
+        for tensor in current.inputs:
+            producer = tensor.op
+            if producer in walked or producer in stopped:
+                continue
+            if follow(producer):
+                walked.add(producer)
+                stack.append(producer)
+            else:
+                stopped.add(producer)
+    return walked, stopped
+
+
+def _on_host(op):
+    return tf.DeviceSpec.from_string(op.device).device_type == "CPU"
+
+
+def _assert_waits_through_host_copy(reading, tensors):
+    clock_op = reading.op
+    assert clock_op.device == HOST
+    # On the host side of the clock: its input's producers on the host
+    # CPU; where a producer is on the device, a device-to-host copy.
+    host_side, device_side = _data_ancestors(clock_op, _on_host)
+    assert device_side, "no data edge from the device into the clock"
+    assert all(op.device == GPU for op in device_side)
+    reached = set(device_side)
+    for op in device_side:
+        reached |= _data_ancestors(op, lambda _: True)[0]
+    for tensor in tensors:
+        assert tensor.device == GPU
+        assert tensor.op not in host_side
+        assert tensor.op in reached, (
+            f"{tensor.name} does not reach the clock by data edges"
+        )
+
+
+def _timestamp_function(graph, call):
+    name = call.get_attr("f").name
+    library = graph.as_graph_def().library.function
+    (function,) = [f for f in library if f.signature.name == name]
+    return function
+
+
+def test_end_clock_waits_for_every_gradient_through_a_host_copy(monkeypatch):
+    model = _model()
+    readings = _traced_step(model, GPU, monkeypatch)
+    (start_deps, start), (end_deps, end) = readings
+    gradients = [t for t in end_deps[1:] if t is not None]
+    assert len(gradients) == len(model.trainable_variables) == 4
+    for gradient, variable in zip(gradients, model.trainable_variables):
+        assert gradient.shape == variable.shape
+    _assert_waits_through_host_copy(end, gradients)
+    # The Timestamp itself reads the time once its (data) argument exists.
+    function = _timestamp_function(end.graph, end.op)
+    (timestamp,) = [n for n in function.node_def if n.op == "Timestamp"]
+    argument = function.signature.input_arg[0].name
+    assert timestamp.input == [f"^{argument}"]
+    # The start: the step's rows, a value of the device's, host-copied.
+    assert start.op.device == HOST
+    _assert_waits_through_host_copy(start, [start_deps[0]])
+    # The forward pass starts after the start reading.
+    assert start.op in _control_ancestors(end.graph, start.op)
+
+
+def _control_ancestors(graph, op):
+    """Ops that have `op` as a control input."""
+    return {op} | {
+        other for other in graph.get_operations() if op in other.control_inputs
+    }
+
+
+def test_host_replica_clock_takes_no_extra_ops(monkeypatch):
+    """On a CPU replica a kernel is finished when it returns: the clock
+    waits by control edges, with no copy or token ops."""
+    model = _model()
+    device = f"{TASK}/device:CPU:1"
+    (_, start), (end_deps, end) = _traced_step(model, device, monkeypatch)
+    for reading in (start, end):
+        assert reading.op.device == device
+        (data_input,) = reading.op.inputs
+        assert data_input.op.type != "Sum"
+    waited = {op.name for op in end.op.control_inputs}
+    gradients = [t for t in end_deps[1:] if t is not None]
+    assert {g.op.name for g in gradients} <= waited
+
+
+def test_device_token_copies_once_per_device():
+    """Pipeline stages: gradients on several devices, one device-to-host
+    copy from each, all waited for."""
+    devices = [GPU, f"{TASK}/device:GPU:1"]
+    readings = []
+
+    @tf.function
+    def token():
+        tensors = []
+        for index, device in enumerate(devices):
+            with tf.device(device):
+                tensors += [tf.ones([3, 2]) * index, tf.ones([5], tf.int32)]
+        with tf.device(devices[0]):
+            readings.append(telemetry.clock(tensors))
+        return readings[0]
+
+    token.get_concrete_function()
+    (reading,) = readings
+    host_side, device_side = _data_ancestors(reading.op, _on_host)
+    assert sorted(op.device for op in device_side) == devices
+    assert all(op.type == "ConcatV2" for op in device_side)
+    assert reading.op.device == HOST
+
+
+def test_clock_rejects_no_dependencies():
+    with pytest.raises(ValueError, match="dependencies=\\[None\\]"):
+        telemetry.clock([None])
