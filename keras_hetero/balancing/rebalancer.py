@@ -1,5 +1,7 @@
 """`ShardRebalancer`: moves rows from slow replicas to fast ones during fit."""
 
+import logging
+
 import numpy as np
 
 from keras_hetero import _distribute
@@ -7,6 +9,9 @@ from keras_hetero._checks import check_int
 from keras_hetero.balancing import core as rebalance
 from keras_hetero.callbacks import base
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training.clock_check import ClockCheck
+
+logger = logging.getLogger("keras_hetero")
 
 
 class ShardRebalancer(base.HeteroCallback):
@@ -37,6 +42,13 @@ class ShardRebalancer(base.HeteroCallback):
     a `kh.data.HeteroDataset`, or numpy arrays / tensors, which
     `HeteroModel.fit` shards itself. With one replica there is nothing to
     balance and it does nothing.
+
+    It checks that the readings mean device time before it acts on them
+    (`keras_hetero.training.clock_check.ClockCheck`): a replica whose
+    seconds stay near zero, do not grow with its rows when its share moves,
+    or vary more than their median under constant rows, is named in one
+    warning (logger `keras_hetero`) and keeps its share (recorded in
+    `clock_findings`), rather than the shares following noise.
 
     Args:
         dataset: The `kh.data.HeteroDataset` to act on. Defaults to `None`:
@@ -167,7 +179,9 @@ class ShardRebalancer(base.HeteroCallback):
         self._since_decision = 0
         self._pass = None
         self._pass_steps = 0
+        self._clock = None
         self.changes = []
+        self.clock_findings = []
 
     def on_train_begin(self, logs=None):
         self._reset()
@@ -182,11 +196,24 @@ class ShardRebalancer(base.HeteroCallback):
             # measured_steps == 0: low-communication training before a
             # synchronisation (a round's numbers arrive with it).
             return
+        self._check_clock(stats)
         self._speeds = self._speeds.add(stats.rows, stats.compute_seconds)
         self._since_decision += stats.measured_steps
         if self._since_decision < self.every_n_steps:
             return
         self.rebalance_now()
+
+    def _check_clock(self, stats):
+        if self._clock is None or len(self._clock.devices) != len(stats.rows):
+            self._clock = ClockCheck(stats.devices)
+        for finding in self._clock.add(
+            stats.rows, stats.compute_seconds, stats.measured_steps
+        ):
+            self.clock_findings.append(finding)
+            logger.warning(
+                "ShardRebalancer: %s",
+                finding.message("Its share is held where it is."),
+            )
 
     def rebalance_now(self):
         """Decides from the current window now (e.g. on a straggler event).
@@ -198,8 +225,14 @@ class ShardRebalancer(base.HeteroCallback):
         self._since_decision = 0
         if self.dataset is None:
             return None
+        speeds = self._speeds
+        if self._clock is not None:
+            # Unusable clocks read NaN: their replicas keep their shares.
+            speeds = rebalance.SpeedWindow(
+                np.where(self._clock.usable(), speeds.readings, np.nan)
+            )
         shares = rebalance.decide(
-            self._speeds,
+            speeds,
             self.dataset.shares,
             self.dataset.global_batch_size,
             min_share=self.min_share,

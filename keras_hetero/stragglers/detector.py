@@ -18,6 +18,7 @@ from keras_hetero.report import writer
 from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import links
 from keras_hetero.stragglers import scoring as straggler
+from keras_hetero.training.clock_check import ClockCheck
 
 logger = logging.getLogger("keras_hetero")
 
@@ -55,6 +56,13 @@ class StragglerDetector(base.HeteroCallback):
     step: set `relative_threshold` below the slowest device's expected ratio
     so it is not flagged for what it is, while `threshold` still catches
     any device slowing down against its own baseline.
+
+    Before scoring, it checks that each replica's readings mean device time
+    (`keras_hetero.training.clock_check.ClockCheck`): a replica whose clock
+    reads near zero, does not follow its rows when its share moves, or
+    varies more than its median under constant rows, is named in one
+    warning (logger `keras_hetero`), recorded in `clock_findings`, and not
+    scored while so; the scores start over without its readings.
 
     Each event is appended to `.events`, logged as one line naming replica,
     worker, device and scores, passed to `on_straggler(event)`, written to
@@ -227,6 +235,8 @@ class StragglerDetector(base.HeteroCallback):
         self.events = []
         self.communication_events = []
         self.hangs = []
+        self.clock_findings = []
+        self._clock = None
         self._scorer = None
         self._communication = None
         self._links = None
@@ -240,6 +250,8 @@ class StragglerDetector(base.HeteroCallback):
         self.events = []
         self.communication_events = []
         self.hangs = []
+        self.clock_findings = []
+        self._clock = None
         self._scorer = None
         restored = getattr(self, "_restored_communication", None)
         self._communication = communication.CommunicationTracker(
@@ -291,6 +303,19 @@ class StragglerDetector(base.HeteroCallback):
             # Low-communication training before a synchronisation: the
             # round's numbers arrive with it.
             return
+        if self._clock is None or len(self._clock.devices) != len(rows):
+            self._clock = ClockCheck(devices)
+        findings = self._clock.add(rows, seconds, measured)
+        for finding in findings:
+            self.clock_findings.append(finding)
+            logger.warning(
+                "StragglerDetector: %s",
+                finding.message("It is not scored while so."),
+            )
+        if findings:
+            # Its readings so far may be what made the others look slow.
+            self._scorer = None
+        seconds = self._clock.masked(seconds)
         if self._scorer is None:
             self._scorer = straggler.Scorer(len(rows), self.window)
         # Also after `set_state`, which restores the scorer only.
