@@ -1,8 +1,20 @@
-"""Helpers for tests and benchmarks: logical devices, worker processes, and
-simulated slow devices, and worker hosts in network namespaces whose links
-a test can cut, flap and slow (`NetworkHosts`, root only). Everything here
-is simulation; say so wherever a figure comes from it."""
+"""Helpers for tests and benchmarks: logical devices, worker processes,
+simulated slow devices, real unequal devices, and worker hosts in network
+namespaces whose links a test can cut, flap and slow (`NetworkHosts`, root
+only).
 
+`SimulatedSpeed` is simulation (a replica sleeps); say so wherever a figure
+comes from it. The CPU quota harness is real: `run_workers(...,
+cpu_quotas=..., cores=...)` pins worker processes to cores and caps each
+with a Linux cgroup (`CpuQuota`, `ThrottleCompute`, `ThrottleAt`; root
+only), so a capped worker really computes slower.
+"""
+
+from keras_hetero.testing.cpu_quota import CpuQuota
+from keras_hetero.testing.cpu_quota import ThrottleAt
+from keras_hetero.testing.cpu_quota import ThrottleCompute
+from keras_hetero.testing.cpu_quota import cpu_quota_available
+from keras_hetero.testing.cpu_quota import throttle_compute_threads
 from keras_hetero.testing.devices import logical_cpus
 from keras_hetero.testing.devices import mirrored
 from keras_hetero.testing.network import NetworkHosts
@@ -15,14 +27,19 @@ from keras_hetero.testing.workers import free_ports
 from keras_hetero.testing.workers import run_workers
 
 __all__ = [
+    "CpuQuota",
     "NetworkHosts",
     "SimulatedSpeed",
     "StepTimer",
+    "ThrottleAt",
+    "ThrottleCompute",
     "WorkerError",
     "WorkerResult",
+    "cpu_quota_available",
     "free_ports",
     "logical_cpus",
     "mirrored",
     "network_available",
     "run_workers",
+    "throttle_compute_threads",
 ]
