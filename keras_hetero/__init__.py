@@ -15,6 +15,11 @@ from keras_hetero import report
 from keras_hetero import testing
 from keras_hetero._compat import FLAVOUR
 from keras_hetero._compat import keras
+
+# `kh.doctor` is the function (the package `keras_hetero.doctor` stays
+# importable by its full name: `from keras_hetero.doctor import ...`).
+from keras_hetero.doctor import DoctorReport
+from keras_hetero.doctor import doctor
 from keras_hetero.model import HeteroModel
 from keras_hetero.precision import set_precision
 from keras_hetero.sequential import HeteroSequential
@@ -25,6 +30,7 @@ from keras_hetero.training.telemetry import StepStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "DoctorReport",
     "FLAVOUR",
     "HeteroModel",
     "HeteroSequential",
@@ -35,6 +41,7 @@ __all__ = [
     "set_precision",
     "checkpointing",
     "data",
+    "doctor",
     "keras",
     "launcher",
     "layers",

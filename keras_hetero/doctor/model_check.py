@@ -1,0 +1,329 @@
+"""A model's step on each device alone, and the check of the in-step clock.
+
+For each device the model is copied under `tf.distribute.OneDeviceStrategy`
+and timed twice for the same work (forward pass, loss and gradients of one
+batch):
+
+- from the host, synchronised: a `tf.function` computing the gradients
+  returns a host copy of one element of each, so the time includes the
+  device finishing them; the host's round trip to the device (the same
+  function shape doing nothing) is subtracted;
+- by `HeteroModel`'s in-step clock (`model.step_stats.compute_seconds`)
+  during a `fit` of a few steps.
+
+If the clock reads under half of the host's time, it does not see the
+device's work (a clock ordered after enqueued kernels, not finished ones),
+and everything that reads `step_stats` (ShardRebalancer, StragglerDetector)
+would misjudge that device.
+"""
+
+import dataclasses
+import os
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from keras_hetero import _compat
+from keras_hetero._compat import keras
+
+# Steps of the `fit` that reads the in-step clock; the first one (warm-up)
+# is not used.
+FIT_STEPS = 4
+REPEATS = 5
+DEFAULT_BATCH_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """One device's timings of the model's step (see the module docstring).
+
+    Attributes:
+        step_seconds: Host-synchronised seconds of forward, loss and
+            gradients, minus the host's round trip.
+        clock_seconds: Median in-step clock reading over the `fit` steps
+            after the first.
+        state_bytes: Weights, gradients and optimizer state, in bytes.
+        activation_bytes_per_row: Estimated bytes per row, or None.
+    """
+
+    step_seconds: float
+    clock_seconds: float
+    state_bytes: int
+    activation_bytes_per_row: int = None
+
+
+def check(model):
+    """Refuses a `model` argument the doctor cannot time, before any work.
+
+    Args:
+        model: A compiled `keras.Model`, or the path of a saved `.keras`
+            (or `.h5`) model.
+
+    Raises:
+        ValueError: If the path does not exist or the model is not
+            compiled.
+        TypeError: If `model` is neither a model nor a path.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        if not os.path.exists(model):
+            raise ValueError(
+                "Invalid value for argument `model`. Received: "
+                f"model={str(model)!r}, which does not exist. Expected a "
+                "compiled keras.Model or the path of a saved .keras model."
+            )
+        return
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Invalid value for argument `model`. Received: "
+            f"model={model!r} of type {type(model).__name__}. Expected a "
+            "compiled keras.Model or the path of a saved .keras model."
+        )
+    if not _compile_config(model):
+        raise ValueError(
+            "Invalid value for argument `model`. Received: "
+            f"model={model.name!r}, which is not compiled. Compile it (the "
+            "doctor times its train step) before passing it."
+        )
+
+
+def load(model):
+    """`model` as a compiled Keras model: itself, or loaded from its path.
+
+    Args:
+        model: What `check` accepted.
+
+    Returns:
+        A `keras.Model`.
+
+    Raises:
+        ValueError: If the loaded model is not compiled.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        model = keras.models.load_model(model)
+    check(model)
+    return model
+
+
+def batch_arrays(model, batch):
+    """`(x, y)` or `(x, y, sample_weight)` as numpy structures.
+
+    Args:
+        model: A compiled `keras.Model`.
+        batch: `(x, y)` / `(x, y, sample_weight)`, or an int: that many
+            rows of random data shaped like the model's inputs and outputs
+            (integer labels in `[0, classes)` for a sparse loss). None is
+            `DEFAULT_BATCH_SIZE` random rows.
+
+    Returns:
+        A tuple of numpy structures and the batch's rows.
+
+    Raises:
+        ValueError: If `batch` is neither, or random data cannot be shaped
+            for `model` (it has no symbolic inputs).
+    """
+    if batch is None:
+        batch = DEFAULT_BATCH_SIZE
+    if isinstance(batch, (int, np.integer)) and not isinstance(batch, bool):
+        if batch < 1:
+            raise ValueError(
+                "Invalid value for argument `batch`. Received: "
+                f"batch={batch!r}. Expected (x, y) or a positive row count."
+            )
+        return _random_batch(model, int(batch)), int(batch)
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError(
+            "Invalid value for argument `batch`. Received: "
+            f"batch of type {type(batch).__name__}. Expected (x, y), "
+            "(x, y, sample_weight) or a positive row count."
+        )
+    arrays = tuple(tf.nest.map_structure(np.asarray, part) for part in batch)
+    rows = int(tf.nest.flatten(arrays[0])[0].shape[0])
+    return arrays, rows
+
+
+def _random_batch(model, rows):
+    inputs, outputs = _compat.symbolic_inputs_outputs(model)
+    if inputs is None:
+        raise ValueError(
+            "Invalid value for argument `batch`. Received: "
+            f"batch={rows}, but model {model.name!r} has no symbolic inputs "
+            "to shape random data by. Pass batch=(x, y) instead."
+        )
+    generator = np.random.default_rng(0)
+    sparse = "sparse" in str(_compile_config(model).get("loss")).lower()
+
+    def features(tensor):
+        shape = [rows, *(d or 1 for d in tensor.shape[1:])]
+        dtype = tf.as_dtype(tensor.dtype)
+        if dtype.is_floating:
+            return generator.standard_normal(shape).astype(dtype.as_numpy_dtype)
+        return np.zeros(shape, dtype.as_numpy_dtype)
+
+    def labels(tensor):
+        shape = [rows, *(d or 1 for d in tensor.shape[1:])]
+        if sparse:
+            return generator.integers(0, max(shape[-1], 1), shape[:-1])
+        return generator.random(shape).astype(np.float32)
+
+    x = tf.nest.map_structure(features, inputs)
+    y = tf.nest.map_structure(labels, outputs)
+    return x, y
+
+
+def _compile_config(model):
+    try:
+        return model.get_compile_config() or {}
+    except (AttributeError, ValueError):
+        return {}
+
+
+def time_step(model, arrays, device):
+    """`StepTiming` of `model`'s step on `device` alone.
+
+    Args:
+        model: A compiled `keras.Model` (copied; its weights are not used).
+        arrays: `(x, y)` or `(x, y, sample_weight)` numpy structures.
+        device: The device name.
+
+    Returns:
+        A `StepTiming`.
+    """
+    strategy = tf.distribute.OneDeviceStrategy(device)
+    with strategy.scope():
+        hetero = _copy(model)
+    clock_seconds = _clock_seconds(hetero, arrays)
+    step_seconds = _host_seconds(hetero, arrays, device)
+    return StepTiming(
+        step_seconds=step_seconds,
+        clock_seconds=clock_seconds,
+        state_bytes=_state_bytes(hetero),
+        activation_bytes_per_row=_activation_bytes_per_row(hetero),
+    )
+
+
+def _copy(model):
+    """A compiled HeteroModel like `model`, made in the current scope."""
+    from keras_hetero.model import HeteroModel
+
+    clone = keras.models.clone_model(model)
+    if not isinstance(clone, HeteroModel):
+        clone = HeteroModel.from_model(clone)
+    clone.compile_from_config(model.get_compile_config())
+    return clone
+
+
+def _clock_seconds(hetero, arrays):
+    """Median in-step clock reading over a short `fit` (first step left
+    out: it warms up)."""
+    rows = int(tf.nest.flatten(arrays[0])[0].shape[0])
+    readings = []
+
+    class Readings(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            readings.append(float(hetero.step_stats.compute_seconds[0]))
+
+    repeated = tuple(
+        tf.nest.map_structure(
+            lambda array: np.concatenate([array] * FIT_STEPS), part
+        )
+        for part in arrays
+    )
+    hetero.fit(
+        *repeated[:2],
+        sample_weight=repeated[2] if len(repeated) > 2 else None,
+        batch_size=rows,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Readings()],
+    )
+    return statistics.median(readings[1:])
+
+
+def _host_seconds(hetero, arrays, device):
+    """Host-synchronised seconds of forward, loss and gradients on
+    `device`, minus the host's round trip (a function returning a host copy
+    of one input element)."""
+    with tf.device(device):
+        placed = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+    x, y, sample_weight = (*placed, None)[:3]
+
+    @tf.function
+    def gradients(x, y, sample_weight):
+        with tf.device(device):
+            with tf.GradientTape() as tape:
+                predictions = hetero(x, training=True)
+                loss = hetero.compute_loss(x, y, predictions, sample_weight)
+            grads = tape.gradient(loss, hetero.trainable_variables)
+            return _first_elements(grads)
+
+    @tf.function
+    def round_trip(x, y, sample_weight):
+        with tf.device(device):
+            return _first_elements(tf.nest.flatten(x))
+
+    step = _median_seconds(gradients, x, y, sample_weight)
+    overhead = _median_seconds(round_trip, x, y, sample_weight)
+    return max(step - overhead, 0.0)
+
+
+def _first_elements(tensors):
+    """A float32 sum of one element of each tensor: its host copy exists
+    only once the device computed them all."""
+    pieces = []
+    for tensor in tensors:
+        if isinstance(tensor, tf.IndexedSlices):
+            tensor = tensor.values
+        if tensor is not None:
+            pieces.append(tf.cast(tf.reshape(tensor, [-1])[:1], tf.float32))
+    return tf.reduce_sum(tf.concat(pieces, 0))
+
+
+def _median_seconds(function, *arguments):
+    timings = []
+    for run in range(REPEATS + 1):  # the first run traces
+        start = time.perf_counter()
+        function(*arguments).numpy()
+        if run:
+            timings.append(time.perf_counter() - start)
+    return statistics.median(timings)
+
+
+def _state_bytes(hetero):
+    """Weights, their gradients and the optimizer's variables."""
+    variables = getattr(hetero.optimizer, "variables", ())
+    if callable(variables):
+        variables = variables()
+    return (
+        _bytes(hetero.weights)
+        + _bytes(hetero.trainable_weights)
+        + _bytes(variables)
+    )
+
+
+def _bytes(variables):
+    return int(
+        sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables
+        )
+    )
+
+
+def _activation_bytes_per_row(hetero):
+    """Twice the bytes of every layer's output per row (kept for the
+    backward pass, and their gradients): an estimate; None if no layer's
+    output is known."""
+    total = 0
+    for layer in hetero.layers:
+        try:
+            outputs = tf.nest.flatten(layer.output)
+        except (AttributeError, ValueError, RuntimeError):
+            continue
+        for output in outputs:
+            shape = list(output.shape[1:])
+            if any(d is None for d in shape):
+                continue
+            total += int(np.prod(shape)) * tf.as_dtype(output.dtype).size
+    return 2 * total or None
