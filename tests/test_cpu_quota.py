@@ -172,26 +172,30 @@ def _placement_worker():
 
 @pytest.mark.slow
 def test_run_workers_pins_caps_and_removes_groups_after_a_crash(cgroups):
-    results = kh.testing.run_workers(
-        _placement_worker,
-        2,
-        timeout=60,
-        check=False,
-        cpu_quotas=[0.5, 0.3],
-        cores="auto",
-    )
-    first, second = results
-    assert first.exit_code == 0, first.output
-    assert first.value == {
-        "cores": [sorted(os.sched_getaffinity(0))[0]],
-        "member": True,
-        "fraction": 0.5,
-    }
-    assert second.exit_code == 1
-    assert "worker 1 crashes on purpose" in second.output
-    paths = [re.search(r"group=(\S+)", r.output).group(1) for r in results]
-    assert len(set(paths)) == 2
-    assert not any(os.path.exists(path) for path in paths)
+    with kh.testing.CpuQuota(_name(), 0.5) as callers:
+        results = kh.testing.run_workers(
+            _placement_worker,
+            2,
+            timeout=60,
+            check=False,
+            cpu_quotas=[callers, 0.3],
+            cores="auto",
+        )
+        first, second = results
+        assert first.exit_code == 0, first.output
+        assert first.value == {
+            "cores": [sorted(os.sched_getaffinity(0))[0]],
+            "member": True,
+            "fraction": 0.5,
+        }
+        assert second.exit_code == 1
+        assert "worker 1 crashes on purpose" in second.output
+        paths = [re.search(r"group=(\S+)", r.output).group(1) for r in results]
+        assert paths[0] == callers.path
+        assert os.path.isdir(callers.path)  # the caller's to remove
+        assert paths[1] != callers.path
+        assert not os.path.exists(paths[1])
+    assert not os.path.exists(callers.path)
 
 
 def _thread_names():

@@ -32,9 +32,9 @@ exit; a process still in a group is moved out first.
 A quota is an upper bound: other load on a core can only lower what a
 worker gets, and an uncapped worker on a busy core gets its fair share of
 it. Compare workers measured in the same run (measured on a 2-core machine
-with other work running: a 1.0 / 0.3 pair of pinned workers showed 1.6-2.1x
-the compute seconds per row, 3.4x unpinned, against a capacity ratio of
-3.3; an A/A pair 1.26x).
+at load 4-6 from other work: a 1.0 / 0.3 pair of pinned workers showed
+1.3-2.3x the compute seconds per row, 3.4x unpinned, against a capacity
+ratio of 3.3; an A/A pair 1.26x).
 
 Groups are made at the top of the controller's hierarchy (e.g.
 `/sys/fs/cgroup/cpu/<name>` for v1). Only cgroup v1 is verified on the
