@@ -11,6 +11,9 @@ batch):
 - by `HeteroModel`'s in-step clock (`model.step_stats.compute_seconds`)
   during a `fit` of a few steps.
 
+Each takes the least of several runs: other load on the host only ever
+adds time, so the least is the most repeatable reading of each.
+
 If the clock reads under half of the host's time, it does not see the
 device's work (a clock ordered after enqueued kernels, not finished ones),
 and everything that reads `step_stats` (ShardRebalancer, StragglerDetector)
@@ -19,7 +22,6 @@ would misjudge that device.
 
 import dataclasses
 import os
-import statistics
 import time
 
 import numpy as np
@@ -28,10 +30,11 @@ import tensorflow as tf
 from keras_hetero import _compat
 from keras_hetero._compat import keras
 
-# Steps of the `fit` that reads the in-step clock; the first one (warm-up)
-# is not used.
-FIT_STEPS = 4
-REPEATS = 5
+# Rounds of REPEATS host-synchronised calls and a `fit` of FIT_STEPS steps
+# (read by the in-step clock).
+ROUNDS = 3
+REPEATS = 3
+FIT_STEPS = 3
 DEFAULT_BATCH_SIZE = 32
 
 
@@ -42,8 +45,8 @@ class StepTiming:
     Attributes:
         step_seconds: Host-synchronised seconds of forward, loss and
             gradients, minus the host's round trip.
-        clock_seconds: Median in-step clock reading over the `fit` steps
-            after the first.
+        clock_seconds: The least in-step clock reading over the `fit` steps
+            (the first one left out: it warms up).
         state_bytes: Weights, gradients and optimizer state, in bytes.
         activation_bytes_per_row: Estimated bytes per row, or None.
     """
@@ -193,11 +196,20 @@ def time_step(model, arrays, device):
     strategy = tf.distribute.OneDeviceStrategy(device)
     with strategy.scope():
         hetero = _copy(model)
-    clock_seconds = _clock_seconds(hetero, arrays)
-    step_seconds = _host_seconds(hetero, arrays, device)
+    fit_steps = _fit_readings(hetero, arrays)
+    gradients, round_trip = _host_timed(hetero, arrays, device)
+    # The first step of the first fit warms up.
+    clock_readings = fit_steps()[1:]
+    step_timings, trip_timings = [], []
+    # Rounds of both, so that a burst of other load on the host meets both.
+    for _ in range(ROUNDS):
+        for _ in range(REPEATS):
+            step_timings.append(gradients())
+            trip_timings.append(round_trip())
+        clock_readings += fit_steps()
     return StepTiming(
-        step_seconds=step_seconds,
-        clock_seconds=clock_seconds,
+        step_seconds=max(min(step_timings) - min(trip_timings), 0.0),
+        clock_seconds=min(clock_readings),
         state_bytes=_state_bytes(hetero),
         activation_bytes_per_row=_activation_bytes_per_row(hetero),
     )
@@ -214,9 +226,9 @@ def _copy(model):
     return clone
 
 
-def _clock_seconds(hetero, arrays):
-    """Median in-step clock reading over a short `fit` (first step left
-    out: it warms up)."""
+def _fit_readings(hetero, arrays):
+    """A function that fits `FIT_STEPS` steps of the batch and returns the
+    in-step clock's reading of each."""
     rows = int(tf.nest.flatten(arrays[0])[0].shape[0])
     readings = []
 
@@ -230,22 +242,27 @@ def _clock_seconds(hetero, arrays):
         )
         for part in arrays
     )
-    hetero.fit(
-        *repeated[:2],
-        sample_weight=repeated[2] if len(repeated) > 2 else None,
-        batch_size=rows,
-        epochs=1,
-        shuffle=False,
-        verbose=0,
-        callbacks=[Readings()],
-    )
-    return statistics.median(readings[1:])
+
+    def fit_steps():
+        readings.clear()
+        hetero.fit(
+            *repeated[:2],
+            sample_weight=repeated[2] if len(repeated) > 2 else None,
+            batch_size=rows,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Readings()],
+        )
+        return list(readings)
+
+    return fit_steps
 
 
-def _host_seconds(hetero, arrays, device):
-    """Host-synchronised seconds of forward, loss and gradients on
-    `device`, minus the host's round trip (a function returning a host copy
-    of one input element)."""
+def _host_timed(hetero, arrays, device):
+    """Two functions, each returning the host-synchronised seconds of one
+    call: forward, loss and gradients on `device`; and the host's round
+    trip to it (a host copy of one input element)."""
     with tf.device(device):
         placed = tf.nest.map_structure(tf.convert_to_tensor, arrays)
     x, y, sample_weight = (*placed, None)[:3]
@@ -264,9 +281,17 @@ def _host_seconds(hetero, arrays, device):
         with tf.device(device):
             return _first_elements(tf.nest.flatten(x))
 
-    step = _median_seconds(gradients, x, y, sample_weight)
-    overhead = _median_seconds(round_trip, x, y, sample_weight)
-    return max(step - overhead, 0.0)
+    def timed(function):
+        function(x, y, sample_weight).numpy()  # traces
+
+        def seconds():
+            start = time.perf_counter()
+            function(x, y, sample_weight).numpy()
+            return time.perf_counter() - start
+
+        return seconds
+
+    return timed(gradients), timed(round_trip)
 
 
 def _first_elements(tensors):
@@ -279,16 +304,6 @@ def _first_elements(tensors):
         if tensor is not None:
             pieces.append(tf.cast(tf.reshape(tensor, [-1])[:1], tf.float32))
     return tf.reduce_sum(tf.concat(pieces, 0))
-
-
-def _median_seconds(function, *arguments):
-    timings = []
-    for run in range(REPEATS + 1):  # the first run traces
-        start = time.perf_counter()
-        function(*arguments).numpy()
-        if run:
-            timings.append(time.perf_counter() - start)
-    return statistics.median(timings)
 
 
 def _state_bytes(hetero):

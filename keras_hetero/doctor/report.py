@@ -69,7 +69,7 @@ class DeviceReport:
             (minus the host's round trip to the device); else None.
         clock_seconds: With a model: what `HeteroModel`'s in-step clock
             (`model.step_stats.compute_seconds`) read for the same work
-            under `OneDeviceStrategy` (median over steps); else None.
+            under `OneDeviceStrategy` (the least over steps); else None.
         clock_trusted: Whether `clock_seconds` sees this device's work
             (False: it reads under half of `step_seconds`); None without a
             model or when the step is too short to judge.
