@@ -9,18 +9,25 @@ and the split points, so that the slowest stage (the pipeline's bottleneck)
 is as fast as possible and every stage fits its device's memory (exact
 dynamic programs, `keras_hetero/placement/search.py`). The search is pure
 Python, testable without TensorFlow; `plan` adapts it to a Keras model.
+`profile` (`keras_hetero/placement/profiling.py`) measures the costs, speeds
+and memory on the devices themselves.
 """
 
 import dataclasses
 import math
-import time
 from typing import NamedTuple
 
 import numpy as np
 
 from keras_hetero import layers as layers_lib
+from keras_hetero._checks import check_int
 from keras_hetero.layers import chain_layers
 from keras_hetero.placement import search as _placement_search
+from keras_hetero.placement.profiling import Profile
+from keras_hetero.placement.profiling import common_scale
+from keras_hetero.placement.profiling import itemsize as _itemsize
+from keras_hetero.placement.profiling import profile
+from keras_hetero.placement.profiling import weight_bytes as _weight_bytes
 
 # A speed-1.0 device's rate for estimated costs, and the link between
 # devices (about PCIe 4.0 x16 in practice).
@@ -186,7 +193,7 @@ def plan(
     device_memory=None,
     layer_costs=None,
     *,
-    batch_size=32,
+    batch_size=None,
     profile=False,
     bandwidth=DEFAULT_BANDWIDTH,
     flops_per_second=DEFAULT_FLOPS_PER_SECOND,
@@ -203,7 +210,22 @@ def plan(
     layer's forward and backward pass on this machine instead, and
     `layer_costs` gives them outright. Memory per layer is 4 copies of its
     weights (weights, gradients, two optimizer slots) plus its output
-    activations for `batch_size` rows. The split minimises the slowest
+    activations for `batch_size` rows.
+
+    `profile=kh.placement.profile(model, devices, batch)` gives measured
+    values instead; explicit arguments win over it. Without
+    `device_speeds` (or for its `None` entries) and `layer_costs`, a
+    device's stage takes the seconds its layers took on that device, so a
+    layer relatively faster on one device (a convolution on a GPU) counts
+    so; with either given, stages take `layer_costs` (or
+    `profile.layer_costs()`) over `device_speeds` (or
+    `profile.device_speeds()`). Without `device_memory`, memory is the
+    profile's; weights and activations are its measured bytes. With a
+    `batch_size` other than the profile's, its seconds and activation
+    bytes are scaled in proportion to the rows (an approximation: profile
+    at the batch size you train with).
+
+    The split minimises the slowest
     stage's time (cost / speed + its input activations' bytes / `bandwidth`)
     subject to every device's memory; among splits as fast, the one with the
     smallest sum of stage times, and among those the devices' given order
@@ -229,17 +251,21 @@ def plan(
         model: A `keras.Sequential` or functional model with one input and
             one output whose top-level layers form a chain.
         devices: Device names. With `keep_order`, in pipeline order.
-        device_speeds: Relative speed per device (2.0 = twice as fast).
-            Defaults to `None` (all 1.0).
-        device_memory: Bytes available per device; `None` (or a `None`
-            entry) for no limit. Defaults to `None`.
+        device_speeds: Relative speed per device (2.0 = twice as fast); a
+            `None` entry takes the profile's measurement (1.0 without a
+            profile). Defaults to `None` (the profile's, or all 1.0).
+        device_memory: Bytes available per device; a `None` entry for no
+            limit. Defaults to `None` (the profile's, or no limits).
         layer_costs: `{layer name: seconds on a speed-1.0 device}` for every
             layer; given, nothing is estimated or profiled. Defaults to
             `None`.
         batch_size: Rows per batch for activation sizes, FLOPs and
-            profiling. Defaults to `32`.
-        profile: Time each layer on this machine (random inputs, median of
-            a few runs) instead of estimating FLOPs. Defaults to `False`.
+            profiling. Defaults to `None` (the profile's batch size, or
+            32).
+        profile: A `kh.placement.Profile` of this model's layers on these
+            devices (see above); or `True` to time each layer here (random
+            inputs, on the first GPU or else the CPU: the same speed for
+            every device) instead of estimating FLOPs. Defaults to `False`.
         bandwidth: Bytes per second between consecutive devices. Defaults
             to `1e10`.
         flops_per_second: Speed of a speed-1.0 device for estimated costs.
@@ -258,10 +284,13 @@ def plan(
         ValueError: If the model is not a chain; if `devices` is empty, or
             has more entries than the model has layers with
             `use_all_devices`; if `device_speeds`, `device_memory`,
-            `layer_costs` or `method` do not match; or if no split fits the
-            memory (the message names, for the split over all devices in
-            the given order that needs the least extra memory, each device
-            short of memory and by how many bytes).
+            `layer_costs`, `batch_size` or `method` do not match; if
+            `profile` is of other layers, or lacks a device whose speed is
+            not given; or if no split fits the memory (the message names,
+            for the split over all devices in the given order that needs
+            the least extra memory, each device short of memory and by how
+            many bytes).
+        TypeError: If `profile` is neither a bool nor a `Profile`.
 
     Example:
 
@@ -285,25 +314,36 @@ def plan(
             f"devices={devices!r}. Expected 1 to {len(layers)} device names "
             f"(one stage each, and the model has {len(layers)} layers)."
         )
-    speeds = _per_device("device_speeds", device_speeds, devices, 1.0)
-    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
-        raise ValueError(
-            "Invalid value for argument `device_speeds`. Received: "
-            f"device_speeds={device_speeds!r}. Expected positive numbers."
-        )
-    memory = [
-        None if m is None else int(m)
-        for m in _per_device("device_memory", device_memory, devices, None)
-    ]
-    outputs = [_output_bytes(output, batch_size) for _, output in chain]
-    costs = _layer_costs(
-        model, chain, layer_costs, profile, batch_size, flops_per_second
+    inputs = _cost_model(
+        model,
+        chain,
+        devices,
+        device_speeds,
+        device_memory,
+        layer_costs,
+        profile,
+        batch_size,
+        flops_per_second,
     )
+    return _plan(
+        names,
+        devices,
+        inputs,
+        bandwidth,
+        keep_order=keep_order,
+        use_all_devices=use_all_devices,
+        method=method,
+    )
+
+
+def _plan(names, devices, inputs, bandwidth, **search_options):
+    """The `Plan` of layers `names` on `devices` under a `_CostModel`."""
+    costs, speeds, memory = inputs.costs, inputs.speeds, inputs.memory
     layer_memory = [
-        PARAMETER_COPIES * _weight_bytes(layer) + outputs[i]
-        for i, layer in enumerate(layers)
+        PARAMETER_COPIES * weights + output
+        for weights, output in zip(inputs.weight_bytes, inputs.output_bytes)
     ]
-    input_seconds = [0.0] + [b / bandwidth for b in outputs[:-1]]
+    input_seconds = [0.0] + [b / bandwidth for b in inputs.output_bytes[:-1]]
     found, used_method = _search(
         costs,
         layer_memory,
@@ -311,15 +351,22 @@ def plan(
         speeds,
         memory,
         devices,
-        keep_order=keep_order,
-        use_all_devices=use_all_devices,
-        method=method,
+        device_costs=inputs.device_costs,
+        **search_options,
     )
     stages, seconds, needs = [], [], []
     for device, start, end in found:
         stages.append(Stage(devices[device], names[start:end]))
         seconds.append(
-            _stage_seconds(costs, input_seconds, speeds[device], start, end)
+            _placement_search.stage_seconds(
+                costs,
+                input_seconds,
+                speeds,
+                device,
+                start,
+                end,
+                inputs.device_costs,
+            )
         )
         needs.append(int(sum(layer_memory[start:end])))
     used = {device for device, _, _ in found}
@@ -336,23 +383,176 @@ def plan(
     )
 
 
+class _CostModel(NamedTuple):
+    """What the search needs of a model on devices, per layer and device."""
+
+    costs: list  # seconds per layer on a speed-1.0 device
+    device_costs: list  # seconds per layer on each device, or None
+    speeds: list
+    memory: list  # bytes per device, None for no limit
+    weight_bytes: list  # per layer
+    output_bytes: list  # per layer, for the batch
+
+
+def _cost_model(
+    model,
+    chain,
+    devices,
+    device_speeds,
+    device_memory,
+    layer_costs,
+    profile,
+    batch_size,
+    flops_per_second,
+):
+    """Costs, speeds and memory: given, else measured, else estimated."""
+    names = [layer.name for layer, _ in chain]
+    measured = _checked_profiles(profile, names)
+    if batch_size is None:
+        batch_size = measured[0].batch_size if measured else 32
+    batch_size = check_int("batch_size", batch_size)
+    speeds = _per_device("device_speeds", device_speeds, devices, None)
+    memory = _per_device("device_memory", device_memory, devices, None)
+    entries = [
+        (name, speed, limit, device_memory is not None)
+        for name, speed, limit in zip(devices, speeds, memory)
+    ]
+    sizes = _layer_sizes(chain, batch_size, measured)
+    if measured is None:
+        costs = _layer_costs(
+            model, chain, layer_costs, profile, batch_size, flops_per_second
+        )
+        resolved = [_resolved(*entry, None) for entry in entries]
+    else:
+        (seconds,), (measured_speeds,), costs = common_scale(
+            measured, batch_size
+        )
+        if layer_costs is not None:
+            costs = _given_costs(names, layer_costs)
+        resolved = _resolved_devices(
+            entries, measured[0], seconds, measured_speeds, "devices"
+        )
+    return _cost_model_of(costs, resolved, layer_costs is None, *sizes)
+
+
+def _cost_model_of(costs, resolved, measured_costs, weights, outputs):
+    """A `_CostModel` of devices `(speed, memory, seconds or None)`."""
+    speeds = [speed for speed, _, _ in resolved]
+    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
+        raise ValueError(
+            "Invalid value for argument `device_speeds`. Received: "
+            f"device_speeds={speeds!r}. Expected positive numbers."
+        )
+    device_costs = None
+    if measured_costs and any(seconds for _, _, seconds in resolved):
+        device_costs = [
+            [cost / speed for cost in costs] if seconds is None else seconds
+            for speed, _, seconds in resolved
+        ]
+    return _CostModel(
+        costs=costs,
+        device_costs=device_costs,
+        speeds=speeds,
+        memory=[None if m is None else int(m) for _, m, _ in resolved],
+        weight_bytes=weights,
+        output_bytes=outputs,
+    )
+
+
+def _resolved(
+    name, speed, memory, memory_given, measured, seconds=None, speeds=None
+):
+    """`(speed, memory, measured seconds per layer or None)` of a device;
+    None if neither its speed is given nor `measured` profiled it.
+    `seconds` and `speeds` are `measured`'s on the common scale."""
+    if measured is None:
+        return (1.0 if speed is None else speed), memory, None
+    found = measured.find_device(name)
+    if not memory_given:
+        memory = None if found is None else measured.device_memory[found]
+    if speed is not None:
+        return speed, memory, None
+    if found is None:
+        return None
+    return speeds[found], memory, seconds[found]
+
+
+def _resolved_devices(entries, measured, seconds, speeds, argument):
+    """`_resolved` of each `(name, speed, memory, memory given)` entry;
+    raises naming `argument` if the profile lacks a device without speed."""
+    resolved = [
+        _resolved(*entry, measured, seconds, speeds) for entry in entries
+    ]
+    missing = [e[0] for e, found in zip(entries, resolved) if found is None]
+    if missing:
+        raise ValueError(
+            f"Invalid value for argument `{argument}`. Received: the "
+            f"devices {missing}, which the profile did not measure (it has "
+            f"{measured.devices}). Expected profiled devices, or the "
+            "devices' speeds."
+        )
+    return resolved
+
+
+def _layer_sizes(chain, batch_size, measured):
+    """`(weight bytes, output bytes for batch_size rows)` per layer."""
+    if measured is None:
+        return (
+            [_weight_bytes(layer) for layer, _ in chain],
+            [_output_bytes(output, batch_size) for _, output in chain],
+        )
+    # Activations grow with the rows (an approximation when `batch_size`
+    # is not the profile's).
+    first = measured[0]
+    scale = batch_size / first.batch_size
+    return (
+        [first.param_bytes[layer.name] for layer, _ in chain],
+        [
+            round(first.activation_bytes[layer.name] * scale)
+            for layer, _ in chain
+        ],
+    )
+
+
+def _checked_profiles(profile, names, workers=None):
+    """The `Profile`s in `profile` (None for a bool), checked against the
+    model's layers: one, or one per worker (`workers` of them) if a list."""
+    if isinstance(profile, bool):
+        return None
+    several = isinstance(profile, (list, tuple)) and workers is not None
+    profiles = list(profile) if several else [profile]
+    if not all(isinstance(p, Profile) for p in profiles):
+        expected = "a `kh.placement.Profile` (from `kh.placement.profile`)"
+        if workers is not None:
+            expected += ", a list of them (one per worker)"
+        raise TypeError(
+            "Invalid value for argument `profile`. Received: "
+            f"profile={profile!r}. Expected {expected}, True or False."
+        )
+    if several and len(profiles) != workers:
+        raise ValueError(
+            "Invalid value for argument `profile`. Received: "
+            f"{len(profiles)} profiles. Expected one per worker ({workers})."
+        )
+    for measured in profiles:
+        if list(measured.layer_names) != names:
+            raise ValueError(
+                "Invalid value for argument `profile`. Received: a profile "
+                f"of the layers {measured.layer_names}. Expected one of "
+                f"this model's layers, {names}."
+            )
+    return profiles if several else profiles * (workers or 1)
+
+
 def _layer_costs(
     model, chain, layer_costs, profile, batch_size, flops_per_second
 ):
     """Seconds per layer on a speed-1.0 device (given, profiled, estimated)."""
     names = [layer.name for layer, _ in chain]
     if layer_costs is not None:
-        missing = sorted(set(names) - set(layer_costs))
-        if missing:
-            raise ValueError(
-                "Invalid value for argument `layer_costs`. Received: no "
-                f"cost for layers {missing}. Expected seconds for every "
-                f"layer of {names}."
-            )
-        return [float(layer_costs[name]) for name in names]
+        return _given_costs(names, layer_costs)
     if profile:
-        layers = [layer for layer, _ in chain]
-        return _profiled_seconds(model, layers, batch_size)
+        return _profiled_seconds(model, names, batch_size)
     return [
         TRAINING_FLOP_FACTOR
         * _flops(layer, output, batch_size)
@@ -361,18 +561,43 @@ def _layer_costs(
     ]
 
 
+def _given_costs(names, layer_costs):
+    missing = sorted(set(names) - set(layer_costs))
+    if missing:
+        raise ValueError(
+            "Invalid value for argument `layer_costs`. Received: no "
+            f"cost for layers {missing}. Expected seconds for every "
+            f"layer of {names}."
+        )
+    return [float(layer_costs[name]) for name in names]
+
+
 def _search(costs, memory, input_seconds, speeds, capacity, devices, **kw):
     """`([(device index, start, end)], method)`; raises if nothing fits."""
     keep_order, use_all = kw["keep_order"], kw["use_all_devices"]
+    device_costs = kw["device_costs"]
     ordered = None
     if len(devices) <= len(costs):
         # The original planner's split: kept whenever it is as good.
         try:
-            bounds = partition(costs, memory, input_seconds, speeds, capacity)
+            bounds = partition(
+                costs,
+                memory,
+                input_seconds,
+                speeds,
+                capacity,
+                device_costs=device_costs,
+            )
         except ValueError:
             if keep_order and use_all:
                 partition(
-                    costs, memory, input_seconds, speeds, capacity, devices
+                    costs,
+                    memory,
+                    input_seconds,
+                    speeds,
+                    capacity,
+                    devices,
+                    device_costs=device_costs,
                 )
         else:
             ordered = [(d, s, e) for d, (s, e) in enumerate(bounds)]
@@ -384,7 +609,15 @@ def _search(costs, memory, input_seconds, speeds, capacity, devices, **kw):
     if found is None:
         if len(devices) <= len(costs):
             # Name the shortfall of the split over all devices in order.
-            partition(costs, memory, input_seconds, speeds, capacity, devices)
+            partition(
+                costs,
+                memory,
+                input_seconds,
+                speeds,
+                capacity,
+                devices,
+                device_costs=device_costs,
+            )
         raise ValueError(
             "No split of the layers fits the devices' memory "
             f"(device_memory={list(capacity)}; the layers need "
@@ -394,17 +627,25 @@ def _search(costs, memory, input_seconds, speeds, capacity, devices, **kw):
         )
     if ordered is not None:
         value = _placement_search.bottleneck_and_total(
-            found, costs, input_seconds, speeds
+            found, costs, input_seconds, speeds, device_costs
         )
         kept = _placement_search.bottleneck_and_total(
-            ordered, costs, input_seconds, speeds
+            ordered, costs, input_seconds, speeds, device_costs
         )
         if not _placement_search.is_better(value, kept):
             found = ordered
     return found, method
 
 
-def partition(costs, memory, input_seconds, speeds, capacity, names=None):
+def partition(
+    costs,
+    memory,
+    input_seconds,
+    speeds,
+    capacity,
+    names=None,
+    device_costs=None,
+):
     """The exact min-max split of a chain of layers over devices in order.
 
     Pure Python: stage `d` runs layers `[start, end)` on device `d` and
@@ -421,6 +662,9 @@ def partition(costs, memory, input_seconds, speeds, capacity, names=None):
         capacity: Bytes per device, or None for no limit.
         names: Device names for the error message. Defaults to `None`
             (device indices).
+        device_costs: Seconds per layer on each device (a list per
+            device, e.g. measured by `profile`); given, they replace
+            `costs / speeds`. Defaults to `None`.
 
     Returns:
         `[(start, end), ...]`, one per device, minimising the largest stage
@@ -437,7 +681,13 @@ def partition(costs, memory, input_seconds, speeds, capacity, names=None):
     [(0, 2), (2, 4)]
     """
     layers, devices = len(costs), len(speeds)
-    cost_sums = np.concatenate([[0.0], np.cumsum(costs, dtype=float)])
+    if device_costs is None:
+        device_costs = [costs] * devices
+    else:
+        speeds = [1.0] * devices
+    cost_sums = [
+        np.concatenate([[0.0], np.cumsum(c, dtype=float)]) for c in device_costs
+    ]
     memory_sums = np.concatenate([[0.0], np.cumsum(memory, dtype=float)])
 
     def stage_memory(start, end):
@@ -448,7 +698,8 @@ def partition(costs, memory, input_seconds, speeds, capacity, names=None):
             stage_memory(start, end) > capacity[device]
         ):
             return math.inf
-        work = (cost_sums[end] - cost_sums[start]) / speeds[device]
+        sums = cost_sums[device]
+        work = (sums[end] - sums[start]) / speeds[device]
         return work + input_seconds[start]
 
     bounds = _dynamic_program(layers, devices, stage_time, max)
@@ -510,10 +761,6 @@ def _add(a, b):
     return a + b
 
 
-def _stage_seconds(costs, input_seconds, speed, start, end):
-    return sum(costs[start:end]) / speed + input_seconds[start]
-
-
 def _per_device(name, values, devices, default):
     if values is None:
         return [default] * len(devices)
@@ -530,23 +777,8 @@ def _shape(tensor, batch_size):
     return [batch_size if d is None else int(d) for d in tensor.shape]
 
 
-def _itemsize(dtype):
-    import tensorflow as tf
-
-    return tf.as_dtype(dtype).size
-
-
 def _output_bytes(output, batch_size):
     return int(np.prod(_shape(output, batch_size)) * _itemsize(output.dtype))
-
-
-def _weight_bytes(layer):
-    return int(
-        sum(
-            np.prod(w.shape) * _itemsize(w.dtype)
-            for w in layer.trainable_weights
-        )
-    )
 
 
 def _flops(layer, output, batch_size):
@@ -562,8 +794,9 @@ def _flops(layer, output, batch_size):
     return 2.0 * weights * positions
 
 
-def _profiled_seconds(model, layers, batch_size, repeats=5):
-    """Median seconds of each layer's forward + backward on this machine."""
+def _profiled_seconds(model, names, batch_size, repeats=5):
+    """Median seconds of each layer's forward + backward on this machine's
+    first GPU (else its CPU), on random inputs."""
     import tensorflow as tf
 
     spec = model.inputs[0]
@@ -572,24 +805,12 @@ def _profiled_seconds(model, layers, batch_size, repeats=5):
         values = tf.random.normal(shape, dtype=spec.dtype)
     else:
         values = tf.zeros(shape, dtype=spec.dtype)
-    seconds = []
-    for layer in layers:
-        timings = []
-        for _ in range(repeats + 1):  # the first run traces and warms up
-            start = time.perf_counter()
-            with tf.GradientTape() as tape:
-                tape.watch(values)
-                outputs = layer(values, training=True)
-                loss = tf.reduce_sum(tf.cast(outputs, tf.float32))
-            sources = list(layer.trainable_weights)
-            if values.dtype.is_floating:
-                sources.append(values)
-            if sources:
-                tape.gradient(loss, sources)
-            timings.append(time.perf_counter() - start)
-        seconds.append(float(np.median(timings[1:])))
-        values = tf.stop_gradient(outputs)
-    return seconds
+    device = (
+        tf.config.list_logical_devices("GPU")
+        or tf.config.list_logical_devices("CPU")
+    )[0].name
+    measured = profile(model, [device], values, repeats=repeats, warmup=1)
+    return [measured.seconds[device][name] for name in names]
 
 
 def _layer_list(names, width=40):
@@ -785,7 +1006,7 @@ def plan_layout(
     model,
     cluster,
     *,
-    batch_size=32,
+    batch_size=None,
     microbatches=4,
     layer_costs=None,
     profile=False,
@@ -818,18 +1039,30 @@ def plan_layout(
       each pipeline's speed (`T_w` its step time for the whole batch), so
       `1 / sum(1 / T_w) + allreduce(workers)`.
 
+    With `profile` (one `kh.placement.Profile` for every worker, when they
+    have the same devices, or a list with one per worker), a device given
+    as a name takes its speed and memory from its worker's profile, and a
+    `(name, speed)` tuple its memory; `Device`s and `(name, speed, memory)`
+    tuples are taken as given. Speeds are relative to the fastest device
+    of all the profiles, `C` and `P` are measured, and the pipelines take
+    each profiled device's own seconds per layer (as `plan` does); given
+    `layer_costs`, they take `layer_costs / speed` instead.
+
     Args:
         model: A chain model (as for `plan`).
         cluster: The workers, each a list of its devices: `Device`s,
             `(name, speed)` or `(name, speed, memory)` tuples, or names
-            (speed 1.0, no memory limit).
-        batch_size: The global batch size. Defaults to `32`.
+            (speed 1.0 and no memory limit, or the profile's).
+        batch_size: The global batch size. Defaults to `None` (the first
+            profile's batch size, or 32).
         microbatches: `pipeline_microbatches` for the pipelines. Defaults
             to `4`.
         layer_costs: `{layer name: seconds on a speed-1.0 device}` for one
             global batch; given, nothing is estimated or profiled. Defaults
             to `None`.
-        profile: Time each layer on this machine. Defaults to `False`.
+        profile: A `kh.placement.Profile`, or a list with one per worker
+            (see above); or `True` to time each layer on this machine.
+            Defaults to `False`.
         bandwidth: Bytes per second between devices of one worker.
             Defaults to `1e10`.
         network_bandwidth: Bytes per second between workers. Defaults to
@@ -841,7 +1074,10 @@ def plan_layout(
 
     Raises:
         ValueError: If `cluster` is empty or malformed, `microbatches` is
-            not a positive integer, or as `plan`.
+            not a positive integer, a profile lacks a device given without
+            a speed, there is not one profile per worker, or as `plan`.
+        TypeError: If `profile` is not a bool, a `Profile` or a list of
+            them.
 
     Example:
 
@@ -852,7 +1088,7 @@ def plan_layout(
     ... )
     >>> choice.best.kind, choice.best.step_seconds
     """
-    workers = _cluster(cluster)
+    entries = _cluster(cluster)
     if (
         isinstance(microbatches, bool)
         or not isinstance(microbatches, int)
@@ -864,46 +1100,89 @@ def plan_layout(
         )
     chain = layers_lib.chain_with_outputs(model)
     names = [layer.name for layer, _ in chain]
-    costs = _layer_costs(
-        model, chain, layer_costs, profile, batch_size, flops_per_second
-    )
-    weight_bytes = sum(_weight_bytes(layer) for layer, _ in chain)
-    activation_bytes = sum(_output_bytes(out, batch_size) for _, out in chain)
-    options = dict(layer_costs=dict(zip(names, costs)), batch_size=batch_size)
-    devices = [device for worker in workers for device in worker]
+    measured = _checked_profiles(profile, names, len(entries))
+    if batch_size is None:
+        batch_size = measured[0].batch_size if measured else 32
+    batch_size = check_int("batch_size", batch_size)
+    weights, outputs = _layer_sizes(chain, batch_size, measured)
+    if measured is None:
+        costs = _layer_costs(
+            model, chain, layer_costs, profile, batch_size, flops_per_second
+        )
+        workers = [
+            [_resolved(*entry, None) for entry in worker] for worker in entries
+        ]
+    else:
+        # One profile for several workers is scaled once.
+        distinct = list({id(p): p for p in measured}.values())
+        seconds, speeds, costs = common_scale(distinct, batch_size)
+        if layer_costs is not None:
+            costs = _given_costs(names, layer_costs)
+        workers = []
+        for worker, worker_profile in zip(entries, measured):
+            index = distinct.index(worker_profile)
+            workers.append(
+                _resolved_devices(
+                    worker,
+                    worker_profile,
+                    seconds[index],
+                    speeds[index],
+                    "cluster",
+                )
+            )
+    names_of = [[entry[0] for entry in worker] for worker in entries]
+    cluster_devices = [
+        [
+            Device(name, speed, memory)
+            for name, (speed, memory, _) in zip(worker_names, worker)
+        ]
+        for worker_names, worker in zip(names_of, workers)
+    ]
+    weight_bytes = sum(weights)
+    sizes = (weights, outputs)
+    measured_costs = layer_costs is None
+
+    def cost_model(group):
+        return _cost_model_of(
+            costs, [resolved for _, resolved in group], measured_costs, *sizes
+        )
+
+    # A group is a pipeline's devices: `[(name, resolved)]`.
+    groups = [list(zip(n, w)) for n, w in zip(names_of, workers)]
+    everything = [device for group in groups for device in group]
     if len(workers) > 1:
         # One pipeline across workers names each worker's devices.
-        devices = [
-            device._replace(name=_on_worker(device.name, index))
-            for index, worker in enumerate(workers)
-            for device in worker
+        everything = [
+            (_on_worker(name, index), resolved)
+            for index, group in enumerate(groups)
+            for name, resolved in group
         ]
     layouts = {
         DATA_PARALLEL: _data_parallel(
-            workers,
+            cluster_devices,
             sum(costs),
             weight_bytes,
-            activation_bytes,
+            sum(outputs),
             bandwidth,
             network_bandwidth,
         ),
         PIPELINE: _pipelines(
             PIPELINE,
-            model,
-            [devices],
+            names,
+            [everything],
+            cost_model,
             microbatches,
             0.0,
             network_bandwidth if len(workers) > 1 else bandwidth,
-            options,
         ),
         REPLICATED_PIPELINES: _pipelines(
             REPLICATED_PIPELINES,
-            model,
-            workers,
+            names,
+            groups,
+            cost_model,
             microbatches,
             _allreduce_seconds(len(workers), weight_bytes, network_bandwidth),
             bandwidth,
-            options,
         ),
     }
     if len(workers) > 1:
@@ -914,17 +1193,21 @@ def plan_layout(
     best = min(
         runnable or layouts.values(), key=lambda layout: layout.step_seconds
     )
-    return LayoutChoice(layouts=layouts, best=best, cluster=workers)
+    return LayoutChoice(layouts=layouts, best=best, cluster=cluster_devices)
 
 
 def _cluster(cluster):
+    """`[[(name, speed or None, memory, memory given)]]`, one list per
+    worker; a speed or memory not given is the profile's, or the default."""
+
     def device(entry):
         if isinstance(entry, Device):
-            return entry
+            return (*entry, True)
         if isinstance(entry, str):
-            return Device(entry)
+            return entry, None, None, False
         if isinstance(entry, (tuple, list)) and 1 <= len(entry) <= 3:
-            return Device(*entry)
+            name, speed, memory = (*entry, None, None)[:3]
+            return name, speed, memory, len(entry) == 3
         raise ValueError(
             "Invalid value for argument `cluster`. Received: the device "
             f"{entry!r}. Expected a `kh.placement.Device`, a name, or a "
@@ -945,11 +1228,13 @@ def _cluster(cluster):
                 f"{worker!r}. Expected a non-empty list of devices."
             )
         workers.append([device(entry) for entry in worker])
-    for device_ in (d for worker in workers for d in worker):
-        if not (device_.speed > 0 and math.isfinite(device_.speed)):
+    for entry in (e for worker in workers for e in worker):
+        speed = entry[1]
+        if speed is not None and not (speed > 0 and math.isfinite(speed)):
             raise ValueError(
                 "Invalid value for argument `cluster`. Received: the device "
-                f"{device_!r}. Expected a positive speed."
+                f"{entry[0]!r} with speed {speed!r}. Expected a positive "
+                "speed."
             )
     return workers
 
@@ -992,17 +1277,21 @@ def _data_parallel(
     )
 
 
-def _pipelines(kind, model, groups, microbatches, communication, link, options):
+def _pipelines(
+    kind, names, groups, cost_model, microbatches, communication, link
+):
+    """One pipeline per group of `(device name, resolved device)`."""
     plans, times = [], []
-    for devices in groups:
+    for group in groups:
         try:
-            group_plan = plan(
-                model,
-                [device.name for device in devices],
-                device_speeds=[device.speed for device in devices],
-                device_memory=[device.memory for device in devices],
-                bandwidth=link,
-                **options,
+            group_plan = _plan(
+                names,
+                [name for name, _ in group],
+                cost_model(group),
+                link,
+                keep_order=False,
+                use_all_devices=False,
+                method="auto",
             )
         except ValueError as error:
             return Layout(

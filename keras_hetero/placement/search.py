@@ -17,6 +17,12 @@ Beyond `MAX_EXACT_STATES` states the search is a local search instead: the
 fixed-order dynamic program (which may skip devices) over a few starting
 orders (as given, fastest first, slowest first, most memory first),
 improved by swapping pairs of devices while the result improves.
+
+With `device_costs` (measured seconds per layer on each device, as
+`kh.placement.profile` gives), a layer may be relatively faster on one
+device than on another: a stage on device `d` then takes
+`sum(device_costs[d][start:end]) + input_seconds[start]`, and devices are
+of one kind when their costs and memory are equal.
 """
 
 import itertools
@@ -57,6 +63,7 @@ def search(
     keep_order=False,
     use_all_devices=False,
     method="auto",
+    device_costs=None,
 ):
     """The best stages: `[(device index, start, end), ...]` in pipeline order.
 
@@ -70,6 +77,8 @@ def search(
         use_all_devices: Every device gets a stage. Defaults to `False`.
         method: `"auto"` (exact up to `MAX_EXACT_STATES` states), `"exact"`
             or `"local"`. Defaults to `"auto"`.
+        device_costs: Seconds per layer on each device (a list per device);
+            given, they replace `costs / speeds`. Defaults to `None`.
 
     Returns:
         `(stages or None if no split fits the memory, "exact" or "local
@@ -78,11 +87,20 @@ def search(
     devices = len(speeds)
     times = {}
 
+    def kind(device):
+        if device_costs is None:
+            return speeds[device], capacity[device]
+        return tuple(device_costs[device]), capacity[device]
+
     def times_of(device):
-        key = (speeds[device], capacity[device])
+        key = kind(device)
         if key not in times:
+            if device_costs is None:
+                layer_costs, speed = costs, speeds[device]
+            else:
+                layer_costs, speed = device_costs[device], 1.0
             times[key] = stage_times(
-                costs, memory, input_seconds, speeds[device], capacity[device]
+                layer_costs, memory, input_seconds, speed, capacity[device]
             )
         return times[key]
 
@@ -91,22 +109,40 @@ def search(
         return _chain(len(costs), order, times_of, use_all_devices), "exact"
     kinds = {}
     for device in range(devices):
-        kinds.setdefault((speeds[device], capacity[device]), []).append(device)
+        kinds.setdefault(kind(device), []).append(device)
     members = list(kinds.values())
     states = math.prod(len(m) + 1 for m in members)
     if method == "local" or (method == "auto" and states > MAX_EXACT_STATES):
+        if device_costs is not None:
+            # The starting orders rank devices by their whole-model time.
+            speeds = [1.0 / max(sum(c), 1e-300) for c in device_costs]
         found = _local(len(costs), speeds, capacity, times_of, use_all_devices)
         return found, "local search"
     return _counts(len(costs), members, times_of, use_all_devices), "exact"
 
 
-def bottleneck_and_total(stages, costs, input_seconds, speeds):
+def bottleneck_and_total(
+    stages, costs, input_seconds, speeds, device_costs=None
+):
     """`(slowest stage, sum of stages)` in seconds of `[(device, s, e)]`."""
     seconds = [
-        sum(costs[start:end]) / speeds[device] + input_seconds[start]
+        stage_seconds(
+            costs, input_seconds, speeds, device, start, end, device_costs
+        )
         for device, start, end in stages
     ]
     return max(seconds), sum(seconds)
+
+
+def stage_seconds(
+    costs, input_seconds, speeds, device, start, end, device_costs=None
+):
+    """Seconds of the stage `[start, end)` on `device` (an index)."""
+    if device_costs is None:
+        work = sum(costs[start:end]) / speeds[device]
+    else:
+        work = sum(device_costs[device][start:end])
+    return work + input_seconds[start]
 
 
 def _counts(layers, members, times_of, use_all_devices):
