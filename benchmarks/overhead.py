@@ -83,6 +83,25 @@ def _no_clocks():
     )
 
 
+def _control_edge_clock():
+    # The clock as it was before it waited for the device: the reading
+    # ordered after its dependencies by control edges only, on the
+    # replica's device (on a GPU: the time to queue the work).
+    from keras_hetero import _compat
+    from keras_hetero.training import telemetry
+
+    def clock(dependencies, enabled=True):
+        import tensorflow as tf
+
+        if not enabled:
+            return tf.constant(np.nan, tf.float64)
+        first, *rest = telemetry._tensors(dependencies)
+        with tf.control_dependencies(rest):
+            return _compat.unordered_timestamp(first)
+
+    return _patched(telemetry, "clock", clock)
+
+
 def _no_record():
     from keras_hetero.training import telemetry
 
@@ -205,6 +224,7 @@ def _all_off():
 # built under the patch) or "keras" (Keras' own input split))
 PROFILE = {
     "no clocks": (_no_clocks, "shared"),
+    "clock by control edges (before)": (_control_edge_clock, "shared"),
     "no telemetry record": (_no_record, "shared"),
     "local metrics read": (_local_logs, "shared"),
     "Keras' input split": (contextlib.nullcontext, "keras"),

@@ -312,8 +312,10 @@ class StragglerDetector(base.HeteroCallback):
                 "StragglerDetector: %s",
                 finding.message("It is not scored while so."),
             )
-        if findings:
-            # Its readings so far may be what made the others look slow.
+        if any(finding.sign != "noise" for finding in findings):
+            # A blind clock's readings so far (near zero) may be what made
+            # the others look slow; a noisy one's are outvoted by the
+            # window's median.
             self._scorer = None
         seconds = self._clock.masked(seconds)
         if self._scorer is None:
