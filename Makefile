@@ -30,9 +30,21 @@ OLD_STAMP := $(OLD_VENV)/.installed
 # One real multi-worker job: 2 processes, MultiWorkerMirroredStrategy.
 MULTI_WORKER_TEST := tests/test_multi_worker.py::test_fit_evaluate_predict_match_single_device[2w-75_25]
 
+# The release check: the sdist and wheel built from the checkout, checked
+# with twine, the wheel installed into a clean venv on Python 3.12 (Colab's;
+# docs/versions.md) that then runs the quickstart from outside the checkout
+# and a core subset of the suite against the installed package.
+WHEEL_PYTHON ?= $(firstword $(shell for p in python3.12 \
+	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12); do \
+	$$p -c "" 2>/dev/null && echo $$p; done) $(PYTHON))
+WHEEL_VENV := .venv-wheel
+WHEEL_TESTS := tests/test_model_api.py tests/test_equivalence.py \
+	tests/test_clock_graph.py tests/test_clock_check.py
+
 .PHONY: install install-oldest demo test test-quick test-keras3 test-legacy \
 	test-legacy-all test-quick-keras3 test-quick-legacy test-oldest \
-	test-oldest-keras3 test-oldest-legacy conformance lint bench docs clean
+	test-oldest-keras3 test-oldest-legacy conformance lint bench docs clean \
+	package package-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -142,8 +154,30 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/steps_per_execution.py
 
 ## The documentation site (mkdocs.yml, docs/) into site/; warnings fail.
+## Build the sdist and wheel into dist/ and check them.
+package: $(STAMP)
+	rm -rf dist build
+	$(BIN)/python -m build --sdist --wheel --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
+## The wheel in a clean Python 3.12 venv: the quickstart and a core subset.
+package-check: package
+	rm -rf $(WHEEL_VENV)
+	$(WHEEL_PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install --quiet --upgrade pip
+	$(WHEEL_VENV)/bin/pip install --quiet "$$(ls dist/*.whl)[report,tensorboard]" \
+		"pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5"
+	$(WHEEL_VENV)/bin/pip check
+	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python -c \
+		"import keras_hetero, sys; assert 'site-packages' in keras_hetero.__file__, keras_hetero.__file__; print(sys.version.split()[0], keras_hetero.__file__)" \
+		&& $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/examples/quickstart.py
+	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q \
+		-n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider \
+		--rootdir $(CURDIR) -c $(CURDIR)/pyproject.toml \
+		$(addprefix $(CURDIR)/,$(WHEEL_TESTS))
+
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) .pytest_cache build site *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) $(WHEEL_VENV) .pytest_cache build dist site *.egg-info
