@@ -24,7 +24,7 @@ from keras_hetero._checks import check_int
 from keras_hetero.layers import chain_layers
 from keras_hetero.placement import search as _placement_search
 from keras_hetero.placement.profiling import Profile
-from keras_hetero.placement.profiling import common_scale
+from keras_hetero.placement.profiling import common_scale as _common_scale
 from keras_hetero.placement.profiling import itemsize as _itemsize
 from keras_hetero.placement.profiling import profile
 from keras_hetero.placement.profiling import weight_bytes as _weight_bytes
@@ -424,7 +424,7 @@ def _cost_model(
         )
         resolved = [_resolved(*entry, None) for entry in entries]
     else:
-        (seconds,), (measured_speeds,), costs = common_scale(
+        (seconds,), (measured_speeds,), costs = _common_scale(
             measured, batch_size
         )
         if layer_costs is not None:
@@ -1115,7 +1115,7 @@ def plan_layout(
     else:
         # One profile for several workers is scaled once.
         distinct = list({id(p): p for p in measured}.values())
-        seconds, speeds, costs = common_scale(distinct, batch_size)
+        seconds, speeds, costs = _common_scale(distinct, batch_size)
         if layer_costs is not None:
             costs = _given_costs(names, layer_costs)
         workers = []

@@ -237,9 +237,10 @@ def profile(model, devices, batch, *, repeats=5, warmup=2):
     for accelerators without a configured limit (TensorFlow's public API
     reports use, not capacity): pass `device_memory=` to `plan` there.
 
-    The model is not changed, except that an unbuilt model is built for the
-    batch's shape. The input of each layer comes from one forward pass of
-    the model's own layers (inference mode) on the first device.
+    The model is not changed, except that an unbuilt `Sequential` model is
+    built for the batch's shape. The input of each layer comes from one
+    forward pass of the model's own layers (inference mode) on the first
+    device.
 
     Args:
         model: A `keras.Sequential` or functional model whose top-level
