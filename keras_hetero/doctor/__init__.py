@@ -128,12 +128,12 @@ def doctor(
     parsed = cluster_lib.cluster_tasks()
     if collective:
         _check_collective(parsed)
-    peers = ()
+    # The cluster first: MultiWorkerMirroredStrategy must start before
+    # TensorFlow runs its first op in the process.
+    peers, strategy, collective_facts = (), None, {}
     if parsed is not None:
         tasks, own = parsed
         peers = cluster_lib.check_reachable(tasks, own, timeout)
-    strategy = None
-    collective_facts = {}
     if collective:
         strategy = cluster_lib.start_collective(timeout)
         seconds, agree = cluster_lib.time_allreduce(strategy, tasks, timeout)
@@ -144,31 +144,21 @@ def doctor(
         )
 
     host = host_lib.host_report()
-    task = _distribute.env_task() if parsed is not None else None
-    names = devices_lib.local_devices(
-        devices, None if task is None else task.device_job
-    )
-    found = [
-        _replace(devices_lib.describe(name, host), flops=flops, matmul_size=n)
-        for name, (flops, n) in zip(names, devices_lib.time_matmuls(names))
-    ]
-    relative = devices_lib.relative_speeds([d.flops for d in found])
-    found = [
-        _replace(device, relative_speed=speed)
-        for device, speed in zip(found, relative)
-    ]
+    task = None if parsed is None else _distribute.env_task().device_job
+    found = _timed_devices(devices_lib.local_devices(devices, task), host)
     model_report = None
     speeds, basis = [d.flops for d in found], "matmul"
     if model is not None:
         found, model_report = _check_model(model, batch, found, host)
         steps = [d.step_seconds for d in found]
-        if all(seconds and seconds > 0 for seconds in steps):
+        if all(seconds > 0 for seconds in steps):
             speeds = [model_report.batch_size / seconds for seconds in steps]
             basis = "model step"
 
     cluster = None
     if parsed is not None:
         if strategy is not None:
+            names = [device.name for device in found]
             collective_facts.update(_global_shares(strategy, names, speeds))
         cluster = cluster_lib.cluster_report(
             tasks, own, peers, **collective_facts
@@ -189,6 +179,21 @@ def doctor(
             ("flavour", _compat.FLAVOUR),
         ),
     )
+
+
+def _timed_devices(names, host):
+    """A `DeviceReport` per device, with its matmul speed."""
+    timings = devices_lib.time_matmuls(names)
+    relative = devices_lib.relative_speeds([flops for flops, _ in timings])
+    return [
+        _replace(
+            devices_lib.describe(name, host),
+            flops=flops,
+            matmul_size=size,
+            relative_speed=speed,
+        )
+        for name, (flops, size), speed in zip(names, timings, relative)
+    ]
 
 
 def _check_timeout(timeout):
@@ -231,7 +236,6 @@ def _check_model(model, batch, found, host):
     arrays, rows = model_check.batch_arrays(loaded, batch)
     cpus = sum(device.kind == "CPU" for device in found)
     checked = []
-    timing = None
     for device in found:
         timing = model_check.time_step(loaded, arrays, device.name)
         trusted, note = clock_verdict(timing.clock_seconds, timing.step_seconds)
@@ -248,6 +252,7 @@ def _check_model(model, batch, found, host):
                 notes=device.notes + ((note,) if note else ()),
             )
         )
+    # The model's sizes are the same on every device: the last timing's.
     report = ModelReport(
         name=loaded.name,
         batch_size=rows,
