@@ -1,0 +1,330 @@
+"""Rebalancing and straggler detection on REAL unequal devices (CPU quotas).
+
+No simulation: MultiWorkerMirroredStrategy worker processes on 127.0.0.1,
+each pinned to a core (`kh.testing.run_workers(cores="auto")`) and capped at
+a fraction of it by a Linux cgroup CPU quota (`kh.testing.CpuQuota`; root).
+`--throttle process` caps the whole worker (a slow host: its collective and
+gRPC threads too); `--throttle compute` only TensorFlow's kernel threads (a
+slow accelerator on a normal host).
+
+Rebalance table: for each model (an MLP, a small ResNet on 32x32x3 images,
+a small Transformer encoder) and each capacity mix (2 workers 1:2 and 1:4,
+3 workers 1:2:4, and the A/A pair 1:1 with nothing to balance), samples/s of
+HeteroModel with equal shares, HeteroModel with `ShardRebalancer`, and,
+under tf-keras, stock `keras.Model` (stock Keras 3 cannot fit under
+MultiWorkerMirroredStrategy). Rates are steady state: the median step time
+of the last `--tail` steps of one epoch (the epoch boundary excluded). The
+ideal is measured: each worker's quota and core alone, one process training
+the whole global batch; ideal = the sum of those rates.
+
+Straggler table: two equal workers (no cap) train for `--straggler-steps`
+steps; before step `--drop-at` worker 1's quota drops to `--drop-to` of its
+core (`kh.testing.ThrottleAt`). We report the steps from the drop to
+`StragglerDetector`'s event naming worker 1's replica, and every other event
+(false alarms), with its defaults.
+
+Run as root: `python benchmarks/real_devices.py` (Keras 3), then with
+`TF_USE_LEGACY_KERAS=1`; `--models mlp --cases 1:2` for one row; `--smoke`
+runs one tiny case of each table in seconds.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+from _harness import MODELS  # noqa: E402
+from _harness import build_model  # noqa: E402
+from _harness import compile_model  # noqa: E402
+from _harness import examples  # noqa: E402
+from _harness import header  # noqa: E402
+from _harness import markdown_table  # noqa: E402
+
+import keras_hetero as kh  # noqa: E402
+
+# Global batch per model: steps of tens of milliseconds on one core.
+GLOBAL_BATCH = {"mlp": 1024, "resnet": 64, "transformer": 128}
+# name -> each worker's cap (a fraction of its core); cores round robin.
+CASES = {
+    "1:1 (A/A)": [1.0, 1.0],
+    "1:2": [1.0, 0.5],
+    "1:4": [1.0, 0.25],
+    "1:2:4 (3 workers)": [0.5, 1.0, 0.25],  # cores 0, 1, 0
+}
+DISTINCT_BATCHES = 8  # the input repeats this many distinct global batches
+
+
+def _task_index():
+    return json.loads(os.environ.get("TF_CONFIG", "{}"))["task"]["index"]
+
+
+def _train(model_kind, mode, steps, throttle, callbacks=(), global_batch=None):
+    """One fit of `steps` steps on this worker; returns what worker 0 keeps.
+
+    `mode`: "equal" / "rebalanced" (HeteroModel on `kh.data.shard`) or
+    "stock" (the flavour's keras.Model on `dataset.batch`).
+    """
+    import tensorflow as tf
+
+    from keras_hetero import keras
+
+    global_batch = global_batch or GLOBAL_BATCH[model_kind]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = examples(model_kind, global_batch * DISTINCT_BATCHES)
+    repeats = -(-steps // DISTINCT_BATCHES)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat(repeats)
+    model_class = keras.Model if mode == "stock" else kh.HeteroModel
+    with strategy.scope():
+        model = compile_model(build_model(model_kind, model_class))
+    timer = kh.testing.StepTimer()
+    callbacks = [timer, *callbacks]
+    if throttle == "compute":
+        callbacks.append(kh.testing.ThrottleCompute())
+    if mode == "stock":
+        data = dataset.batch(global_batch, drop_remainder=True)
+    else:
+        data = kh.data.shard(dataset, global_batch, strategy=strategy)
+        if mode == "rebalanced":
+            callbacks.append(
+                kh.callbacks.ShardRebalancer(data, every_n_steps=5, window=5)
+            )
+    model.fit(
+        data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks
+    )
+    shares = None if mode == "stock" else np.asarray(data.shares).tolist()
+    return {"seconds": timer.seconds, "shares": shares}
+
+
+def _rebalance_worker(model_kind, mode, steps, throttle):
+    return _train(model_kind, mode, steps, throttle)
+
+
+def _rate(result, global_batch, tail):
+    return global_batch / float(np.median(result["seconds"][-tail:]))
+
+
+def _run(model_kind, mode, quotas, steps, throttle, timeout):
+    results = kh.testing.run_workers(
+        _rebalance_worker,
+        len(quotas),
+        timeout=timeout,
+        args=(model_kind, mode, steps, throttle),
+        cpu_quotas=list(quotas),
+        cores="auto",
+        throttle=throttle,
+    )
+    return results[0].value
+
+
+def rebalance_table(models, cases, steps, tail, throttle, timeout):
+    stock = kh.FLAVOUR != "keras3"
+    columns = [
+        "model",
+        "capacities",
+        "ideal samples/s (sum alone)",
+        "equal shares",
+        "rebalanced",
+        "rebalanced / ideal",
+        "rebalanced / equal",
+        "stock keras.Model",
+        "final shares",
+    ]
+    rows = []
+    for model_kind in models:
+        global_batch = GLOBAL_BATCH[model_kind]
+        alone = {}
+        for name in cases:
+            quotas = CASES[name]
+            cores = [i % os.cpu_count() for i in range(len(quotas))]
+            ideal = 0.0
+            for quota, core in zip(quotas, cores):
+                if (quota, core) not in alone:
+                    results = kh.testing.run_workers(
+                        _rebalance_worker,
+                        1,
+                        timeout=timeout,
+                        args=(model_kind, "equal", steps, throttle),
+                        cpu_quotas=[quota],
+                        cores=[core],
+                        throttle=throttle,
+                    )
+                    alone[(quota, core)] = _rate(
+                        results[0].value, global_batch, tail
+                    )
+                ideal += alone[(quota, core)]
+            equal = _run(model_kind, "equal", quotas, steps, throttle, timeout)
+            balanced = _run(
+                model_kind, "rebalanced", quotas, steps, throttle, timeout
+            )
+            equal_rate = _rate(equal, global_batch, tail)
+            balanced_rate = _rate(balanced, global_batch, tail)
+            stock_cell = "n/a (fails)"
+            if stock:
+                stock_rate = _rate(
+                    _run(model_kind, "stock", quotas, steps, throttle, timeout),
+                    global_batch,
+                    tail,
+                )
+                stock_cell = f"{stock_rate:.0f}"
+            rows.append(
+                [
+                    model_kind,
+                    name,
+                    f"{ideal:.0f}",
+                    f"{equal_rate:.0f}",
+                    f"{balanced_rate:.0f}",
+                    f"{balanced_rate / ideal:.0%}",
+                    f"{balanced_rate / equal_rate:.2f}x",
+                    stock_cell,
+                    " ".join(f"{s:.3f}" for s in balanced["shares"]),
+                ]
+            )
+            print(markdown_table(columns, rows[-1:]).splitlines()[-1])
+            sys.stdout.flush()
+    return markdown_table(columns, rows)
+
+
+def _straggler_worker(model_kind, steps, drop_at, drop_to, global_batch):
+    detector = kh.callbacks.StragglerDetector()
+    callbacks = [detector]
+    if _task_index() == 1:
+        callbacks.append(kh.testing.ThrottleAt(drop_at, drop_to))
+    _train(
+        model_kind,
+        "equal",
+        steps,
+        "process",
+        callbacks=callbacks,
+        global_batch=global_batch,
+    )
+    return {
+        "events": [(e.step, e.replica, e.kind) for e in detector.events],
+        "findings": [(f.replica, f.sign) for f in detector.clock_findings],
+    }
+
+
+def straggler_table(model_kind, steps, drop_at, drop_to, timeout, runs):
+    columns = [
+        "model",
+        "run",
+        "steps",
+        "drop at step",
+        "worker 1's cap after",
+        "steps to flag worker 1",
+        "false events",
+        "clock findings",
+    ]
+    rows = []
+    for run in range(runs):
+        results = kh.testing.run_workers(
+            _straggler_worker,
+            2,
+            timeout=timeout,
+            args=(model_kind, steps, drop_at, drop_to, 256),
+            cpu_quotas=[None, None],
+            cores="auto",
+        )
+        value = results[0].value
+        flagged = [
+            step
+            for step, replica, kind in value["events"]
+            if replica == 1 and kind == "straggler" and step > drop_at
+        ]
+        false = [
+            event
+            for event in value["events"]
+            if not (event[1] == 1 and event[0] > drop_at)
+        ]
+        rows.append(
+            [
+                model_kind,
+                run + 1,
+                steps,
+                drop_at,
+                drop_to,
+                flagged[0] - drop_at if flagged else "never",
+                len(false),
+                len(value["findings"]),
+            ]
+        )
+        print(markdown_table(columns, rows[-1:]).splitlines()[-1], flush=True)
+    return markdown_table(columns, rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument(
+        "--cases", nargs="+", default=list(CASES), choices=list(CASES)
+    )
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--tail", type=int, default=30)
+    parser.add_argument(
+        "--throttle", choices=("process", "compute"), default="process"
+    )
+    parser.add_argument("--straggler-steps", type=int, default=1200)
+    parser.add_argument("--drop-at", type=int, default=600)
+    parser.add_argument("--drop-to", type=float, default=0.5)
+    parser.add_argument("--straggler-runs", type=int, default=2)
+    parser.add_argument(
+        "--tables", nargs="+", default=["rebalance", "straggler"]
+    )
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument(
+        "--smoke", action="store_true", help="one tiny case of each table"
+    )
+    args = parser.parse_args()
+    available, reason = kh.testing.cpu_quota_available()
+    if not available:
+        print(f"real_devices.py needs CPU quotas: {reason}")
+        return 0 if args.smoke else 1
+    if args.smoke:
+        args.models, args.cases = ["mlp"], ["1:2"]
+        args.steps, args.tail = 8, 4
+        args.straggler_steps, args.drop_at, args.straggler_runs = 30, 15, 1
+    print(
+        header(
+            "real unequal devices (CPU quotas, no simulation)",
+            f"MultiWorkerMirroredStrategy workers on 127.0.0.1, each pinned "
+            f"to a core, throttle={args.throttle}",
+        )
+    )
+    if "rebalance" in args.tables:
+        print(
+            f"\nRebalancing: steady-state samples/s, median of the last "
+            f"{args.tail} of {args.steps} steps; global batch "
+            + ", ".join(f"{m} {GLOBAL_BATCH[m]}" for m in args.models)
+            + "\n"
+        )
+        table = rebalance_table(
+            args.models,
+            args.cases,
+            args.steps,
+            args.tail,
+            args.throttle,
+            args.timeout,
+        )
+        print("\n" + table)
+    if "straggler" in args.tables:
+        print(
+            f"\nStraggler detection: MLP, 2 equal workers, worker 1 capped "
+            f"at {args.drop_to} of its core before step {args.drop_at}\n"
+        )
+        table = straggler_table(
+            "mlp",
+            args.straggler_steps,
+            args.drop_at,
+            args.drop_to,
+            args.timeout,
+            args.straggler_runs,
+        )
+        print("\n" + table)
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
