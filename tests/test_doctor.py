@@ -153,6 +153,8 @@ def test_unknown_devices_and_bad_arguments_are_named(monkeypatch):
         kh.doctor(devices=["CPU:0", "GPU:7"])
     with pytest.raises(TypeError, match=r"devices='CPU:0'"):
         kh.doctor(devices="CPU:0")
+    with pytest.raises(ValueError, match=r"devices=\[\]"):
+        kh.doctor(devices=[])
     with pytest.raises(ValueError, match=r"timeout=0"):
         kh.doctor(timeout=0)
     with pytest.raises(ValueError, match=r"model=None"):

@@ -39,7 +39,9 @@ def local_devices(devices=None, task=None):
         of `devices`).
 
     Raises:
-        ValueError: If an entry of `devices` names no local device.
+        ValueError: If `devices` is empty or an entry names no local
+            device.
+        TypeError: If `devices` is not a list of strings.
     """
     local = [
         device.name
@@ -49,13 +51,20 @@ def local_devices(devices=None, task=None):
     ]
     if devices is None:
         return local
-    if isinstance(devices, str) or not all(
-        isinstance(pattern, str) for pattern in devices
+    if (
+        isinstance(devices, str)
+        or not isinstance(devices, (list, tuple))
+        or not all(isinstance(pattern, str) for pattern in devices)
     ):
         raise TypeError(
             "Invalid value for argument `devices`. Received: "
             f"devices={devices!r}. Expected a list of device names, e.g. "
             '["/device:CPU:0", "GPU:1"].'
+        )
+    if not devices:
+        raise ValueError(
+            "Invalid value for argument `devices`. Received: devices=[]. "
+            f"Expected at least one of this process's devices: {local}."
         )
     chosen = []
     for pattern in devices:
@@ -101,8 +110,13 @@ def describe(name, host):
             memory_bytes=host.memory_bytes if kind == "CPU" else None,
         )
     index = tf.DeviceSpec.from_string(name).device_index or 0
-    physical, memory_limit = _logical_gpus()[index]
-    details = tf.config.experimental.get_device_details(physical) or {}
+    logical = _logical_gpus()
+    physical, memory_limit = (
+        logical[index] if index < len(logical) else (None, None)
+    )
+    details = {}
+    if physical is not None:
+        details = tf.config.experimental.get_device_details(physical) or {}
     capability = details.get("compute_capability")
     description = details.get("device_name") or "GPU"
     if capability is not None:
