@@ -42,10 +42,13 @@ def test_seconds_that_ignore_the_rows_are_found_when_shares_move():
     whatever the rows; replica 0's seconds follow its rows."""
     check = ClockCheck(GPUS)
     before = [([16, 16], [0.016, 0.002])] * 5
-    after = [([8, 24], [0.008, 0.002])] * 5
+    after = [([4, 28], [0.004, 0.002])] * 5
     found = _feed(check, before + after)
     assert [(f.replica, f.sign) for f in found] == [(1, "rows")]
-    assert "from 16 to 24" in found[0].detail, found[0].detail
+    assert "from 16 to 28" in found[0].detail, found[0].detail
+    # Smaller moves of the rows are not tested (noise would decide).
+    check = ClockCheck(GPUS)
+    assert _feed(check, before + [([12, 20], [0.012, 0.002])] * 5) == []
 
 
 def test_no_finding_when_a_slowdown_moves_the_shares():
@@ -75,16 +78,27 @@ def test_no_finding_for_real_readings_with_jitter_and_fixed_cost():
     assert check.usable().all()
 
 
-def test_readings_noisier_than_their_median_are_unusable_until_calm():
+def test_readings_that_jump_every_step_are_reported_once_and_stay_usable():
     rng = np.random.default_rng(1)
     check = ClockCheck(GPUS, window=10)
-    # What a clock reading host dispatch jitter might show: 1e-4 to 1e-1 s.
-    noisy = [([8, 8], [0.01, s]) for s in 10 ** rng.uniform(-4, -1, 10)]
+    # Readings unrelated to the work: anything from 1e-5 to 1 s.
+    noisy = [([8, 8], [0.01, s]) for s in 10 ** rng.uniform(-5, 0, 30)]
     found = _feed(check, noisy)
-    assert [(f.replica, f.sign) for f in found] == [(1, "noise")]
-    assert check.usable().tolist() == [True, False]
-    _feed(check, [([8, 8], [0.01, 0.01])] * 10)
+    assert [(f.replica, f.sign, f.blind) for f in found] == [
+        (1, "noise", False)
+    ]
     assert check.usable().all()
+
+
+def test_a_throttled_host_is_not_noise():
+    """Under a CFS quota a replica's step is sometimes held to the next
+    period: bimodal seconds, all of them real (measured: 2.5e-5 to 4e-5
+    and 1e-4 to 1.8e-4 s per row), in any mix."""
+    rng = np.random.default_rng(2)
+    check = ClockCheck(GPUS)
+    slow = rng.random(200) < np.linspace(0.1, 0.9, 200)
+    seconds = np.where(slow, 1.5e-4, 3e-5) * rng.uniform(0.9, 1.2, 200) * 64
+    assert _feed(check, [([64, 64], [0.002, s]) for s in seconds]) == []
 
 
 def test_steps_and_unmeasured_readings():

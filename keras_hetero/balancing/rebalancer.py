@@ -45,10 +45,10 @@ class ShardRebalancer(base.HeteroCallback):
 
     It checks that the readings mean device time before it acts on them
     (`keras_hetero.training.clock_check.ClockCheck`): a replica whose
-    seconds stay near zero, do not grow with its rows when its share moves,
-    or vary more than their median under constant rows, is named in one
-    warning (logger `keras_hetero`) and keeps its share (recorded in
-    `clock_findings`), rather than the shares following noise.
+    seconds stay near zero, or do not move when its rows do (a share
+    change), is named in one warning (logger `keras_hetero`) and keeps its
+    share (recorded in `clock_findings`), rather than the shares following
+    noise. Readings that jump from step to step are reported once too.
 
     Args:
         dataset: The `kh.data.HeteroDataset` to act on. Defaults to `None`:
@@ -212,7 +212,11 @@ class ShardRebalancer(base.HeteroCallback):
             self.clock_findings.append(finding)
             logger.warning(
                 "ShardRebalancer: %s",
-                finding.message("Its share is held where it is."),
+                finding.message(
+                    "Its share is held where it is."
+                    if finding.blind
+                    else "Decisions go on from the window's medians."
+                ),
             )
 
     def rebalance_now(self):

@@ -59,10 +59,11 @@ class StragglerDetector(base.HeteroCallback):
 
     Before scoring, it checks that each replica's readings mean device time
     (`keras_hetero.training.clock_check.ClockCheck`): a replica whose clock
-    reads near zero, does not follow its rows when its share moves, or
-    varies more than its median under constant rows, is named in one
-    warning (logger `keras_hetero`), recorded in `clock_findings`, and not
-    scored while so; the scores start over without its readings.
+    reads near zero, or does not move when its rows do (a share change), is
+    named in one warning (logger `keras_hetero`), recorded in
+    `clock_findings`, and no longer scored; the scores start over without
+    its readings. Readings that jump from step to step are reported once
+    and still scored.
 
     Each event is appended to `.events`, logged as one line naming replica,
     worker, device and scores, passed to `on_straggler(event)`, written to
@@ -310,12 +311,15 @@ class StragglerDetector(base.HeteroCallback):
             self.clock_findings.append(finding)
             logger.warning(
                 "StragglerDetector: %s",
-                finding.message("It is not scored while so."),
+                finding.message(
+                    "It is no longer scored."
+                    if finding.blind
+                    else "It is still scored (on window medians)."
+                ),
             )
-        if any(finding.sign != "noise" for finding in findings):
+        if any(finding.blind for finding in findings):
             # A blind clock's readings so far (near zero) may be what made
-            # the others look slow; a noisy one's are outvoted by the
-            # window's median.
+            # the others look slow: the scores start over without them.
             self._scorer = None
         seconds = self._clock.masked(seconds)
         if self._scorer is None:

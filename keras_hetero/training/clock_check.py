@@ -18,11 +18,15 @@ names a replica whose clock is blind, by three signs:
   reading to the next by a median factor above `max_jitter` (a change of
   the device's speed is one such change, not many).
 
-A replica found blind stays so (`blind`); while a replica is noisy its
-readings are unusable (`usable`), and it may recover. Each replica is
-reported once per sign. Pure numpy over explicit state, like the rest of
-the decision logic: every worker, fed the same all-reduced telemetry,
-decides alike.
+The first two say the clock does not see the device's work: such a replica
+is `blind` from then on, and its readings unusable (`usable`, `masked`).
+Noise alone is reported but the readings stay usable: a throttled host
+(a CFS quota) reads bimodal seconds that are its real time, and the
+window medians the decisions use are robust to it.
+
+Each replica is reported once per sign. Pure numpy over explicit state,
+like the rest of the decision logic: every worker, fed the same
+all-reduced telemetry, decides alike.
 """
 
 import dataclasses
@@ -48,6 +52,12 @@ class ClockFinding:
     sign: str
     detail: str
 
+    @property
+    def blind(self):
+        """Whether the sign says the clock does not see the device's work
+        ("floor", "rows"); noise alone does not."""
+        return self.sign != "noise"
+
     def message(self, action):
         """A one-line warning that names the device and says `action`."""
         return (
@@ -68,12 +78,14 @@ class ClockCheck:
         floor_seconds: Seconds per step a working clock exceeds. Defaults
             to `1e-5`.
         min_rows_change: Relative change in rows per step that tests the
-            response of the seconds. Defaults to `0.25`.
+            response of the seconds (0.5: rows 1.5 times or two thirds of
+            what they were). Smaller changes drown in the step-to-step
+            noise of a throttled host. Defaults to `0.5`.
         min_response: Least move of the seconds (log scale), as a fraction
-            of the rows' move, of a working clock. Defaults to `0.1`.
+            of the rows' move, of a working clock. Defaults to `0.25`.
         max_jitter: Largest median factor between consecutive costs per
-            row, under constant rows, of a usable replica. Defaults to
-            `2.0`.
+            row, under constant rows, not reported as noise. Defaults to
+            `8.0`.
 
     Raises:
         ValueError: For `window` < 4, `patience` < 1, or a negative or
@@ -97,9 +109,9 @@ class ClockCheck:
         window=20,
         patience=2,
         floor_seconds=FLOOR_SECONDS,
-        min_rows_change=0.25,
-        min_response=0.1,
-        max_jitter=2.0,
+        min_rows_change=0.5,
+        min_response=0.25,
+        max_jitter=8.0,
     ):
         for name, value, low in (
             ("window", window, 4),
@@ -130,7 +142,6 @@ class ClockCheck:
         self.max_jitter = float(max_jitter)
         replicas = len(self.devices)
         self.blind = np.zeros(replicas, bool)
-        self.noisy = np.zeros(replicas, bool)
         self._below = np.zeros(replicas, np.int64)
         self._noise_reported = set()
         self._rows = np.full((self.window, replicas), np.nan)
@@ -170,17 +181,17 @@ class ClockCheck:
                 self.blind[replica] = True
                 findings.append(finding)
         for replica in np.flatnonzero(~self.blind):
+            if replica in self._noise_reported:
+                continue
             finding = self._noise(replica)
-            self.noisy[replica] = finding is not None
-            if finding is not None and replica not in self._noise_reported:
-                # Once per replica: noise may come and go.
+            if finding is not None:
                 self._noise_reported.add(replica)
                 findings.append(finding)
         return findings
 
     def usable(self):
         """Which replicas' readings may be acted on (a bool array)."""
-        return ~(self.blind | self.noisy)
+        return ~self.blind
 
     def masked(self, seconds):
         """`seconds` with NaN ("not measured") for the unusable replicas:
