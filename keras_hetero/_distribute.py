@@ -54,6 +54,118 @@ class EnvTask:
         return f"/job:{self.task_type or 'worker'}/task:{self.task_index}"
 
 
+# Task types that hold an address in the cluster, in TensorFlow's order.
+_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+def cluster_tasks(environ=None):
+    """The tasks `TF_CONFIG` names, checked; None without `TF_CONFIG`.
+
+    `_distribute.env_task` (the package's parser) takes `TF_CONFIG` that is
+    not JSON as absent and trusts the rest, as a strategy's own error
+    follows; here each bad value is named instead, before any connection.
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+
+    Returns:
+        `(tasks, own)`: `tasks` lists `(task, address)` pairs such as
+        `("worker:1", "127.0.0.1:2223")` in `_TASK_TYPES` order; `own` is
+        this process's task (`"worker:0"`). Or None if `TF_CONFIG` is unset
+        or empty.
+
+    Raises:
+        ValueError: Naming the bad value: `TF_CONFIG` that is not a JSON
+            object with a cluster, a cluster entry that is not
+            `"host:port"`, an address named twice, a task type missing from
+            the cluster, an index out of range.
+    """
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
+    if not text.strip():
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError as error:
+        raise ValueError(
+            f"TF_CONFIG is not valid JSON ({error}). Received: "
+            f"TF_CONFIG={text!r}."
+        ) from None
+    cluster = config.get("cluster") if isinstance(config, dict) else None
+    if not isinstance(cluster, dict) or not cluster:
+        raise ValueError(
+            "TF_CONFIG has no cluster. Received: "
+            f"TF_CONFIG={text!r}. Expected a JSON object like "
+            '{"cluster": {"worker": ["host:port", ...]}, '
+            '"task": {"type": "worker", "index": 0}}.'
+        )
+    return _tasks(cluster), _own_task(config.get("task") or {}, cluster)
+
+
+def _tasks(cluster):
+    tasks = []
+    seen = {}
+    for task_type in sorted(cluster, key=_task_order):
+        addresses = cluster[task_type]
+        if not isinstance(addresses, list):
+            raise ValueError(
+                f"TF_CONFIG cluster.{task_type} is not a list of "
+                f"addresses. Received: {addresses!r}."
+            )
+        for index, address in enumerate(addresses):
+            task = f"{task_type}:{index}"
+            _check_address(f"cluster.{task_type}[{index}]", address)
+            if address in seen:
+                raise ValueError(
+                    f"TF_CONFIG names the address {address} twice: for "
+                    f"{seen[address]} and {task}. Each task needs its own "
+                    "host:port."
+                )
+            seen[address] = task
+            tasks.append((task, address))
+    return tasks
+
+
+def _own_task(task, cluster):
+    task_type = task.get("type") if isinstance(task, dict) else None
+    index = task.get("index", 0) if isinstance(task, dict) else None
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError(
+            f"TF_CONFIG task.index is not an integer. Received: task={task!r}."
+        )
+    if task_type == "evaluator" and task_type not in cluster:
+        # TensorFlow's evaluator runs beside the cluster, not in it.
+        return f"evaluator:{index}"
+    if task_type not in cluster:
+        raise ValueError(
+            "TF_CONFIG task.type names no task type of the cluster. "
+            f"Received: task={task!r}. Expected one of {sorted(cluster)}."
+        )
+    count = len(cluster[task_type])
+    if not 0 <= index < count:
+        raise ValueError(
+            f"TF_CONFIG task.index is out of range. Received: "
+            f"task={task!r}, but cluster.{task_type} has {count} "
+            f"address(es) (indices 0 to {count - 1})."
+        )
+    return f"{task_type}:{index}"
+
+
+def _task_order(task_type):
+    if task_type in _TASK_TYPES:
+        return (_TASK_TYPES.index(task_type), task_type)
+    return (len(_TASK_TYPES), task_type)
+
+
+def _check_address(where, address):
+    text = address if isinstance(address, str) else ""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"TF_CONFIG {where} is not a 'host:port' address. Received: "
+            f"{address!r}."
+        )
+
+
 def env_task(environ=None):
     """This process's `EnvTask`, parsed from `TF_CONFIG` (the one parser;
     `TF_CONFIG` that is not JSON counts as absent: TensorFlow's resolver

@@ -55,6 +55,7 @@ from keras_hetero._compat.distribute import (
 from keras_hetero._compat.distribute import (
     get_coordination_value as get_coordination_value,
 )
+from keras_hetero._compat.distribute import gpu_memory_limit as gpu_memory_limit
 from keras_hetero._compat.distribute import (
     has_coordination_value as has_coordination_value,
 )

@@ -102,3 +102,25 @@ def configure_coordination_timeouts(heartbeat_ms, register_ms, shutdown_ms):
         cluster_register_timeout_in_ms=register_ms,
         shutdown_barrier_timeout_in_ms=shutdown_ms,
     )
+
+
+def gpu_memory_limit(index):
+    """Bytes TensorFlow's allocator may use on logical GPU `index`, or None.
+
+    `tensorflow.python.client.device_lib.list_local_devices` is the one
+    TensorFlow API that reports a device's total memory
+    (`tf.config.experimental.get_memory_info` reports only usage); it is
+    internal, unchanged in TF 2.19-2.21. Memory is optional information:
+    any failure gives None.
+    """
+    import tensorflow as tf
+    from tensorflow.python.client import device_lib
+
+    try:
+        for device in device_lib.list_local_devices():
+            spec = tf.DeviceSpec.from_string(device.name)
+            if spec.device_type == "GPU" and spec.device_index == index:
+                return int(device.memory_limit) or None
+    except Exception:  # optional information, never fatal
+        return None
+    return None

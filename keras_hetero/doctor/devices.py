@@ -13,6 +13,7 @@ import time
 
 import tensorflow as tf
 
+from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero.doctor.report import DeviceReport
 
@@ -123,7 +124,7 @@ def describe(name, host):
         capability = tuple(capability)
         description += f" (cc {capability[0]}.{capability[1]})"
     if memory_limit is None:
-        memory_limit = _gpu_memory_limit(index)
+        memory_limit = _compat.gpu_memory_limit(index)
     return DeviceReport(
         name=name,
         kind=kind,
@@ -146,21 +147,6 @@ def _logical_gpus():
             limit = getattr(config, "memory_limit", None)
             logical.append((physical, None if limit is None else limit << 20))
     return logical
-
-
-def _gpu_memory_limit(index):
-    """Bytes TensorFlow's allocator may use on logical GPU `index`."""
-    # The one TensorFlow API that reports a device's total memory.
-    from tensorflow.python.client import device_lib
-
-    try:
-        for device in device_lib.list_local_devices():
-            spec = tf.DeviceSpec.from_string(device.name)
-            if spec.device_type == "GPU" and spec.device_index == index:
-                return int(device.memory_limit) or None
-    except Exception:  # memory is optional information, never fatal
-        return None
-    return None
 
 
 def available_memory(device, host, cpu_devices):
