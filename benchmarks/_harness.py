@@ -12,6 +12,8 @@ import os
 import numpy as np
 
 MODELS = ("mlp", "resnet", "transformer")
+# Global batch per model: steps of tens of milliseconds on one core.
+GLOBAL_BATCH = {"mlp": 1024, "resnet": 64, "transformer": 128}
 
 
 def build_model(kind, model_class, *, width=256):
@@ -62,12 +64,13 @@ def build_model(kind, model_class, *, width=256):
     return model_class(inputs, outputs)
 
 
-def compile_model(model, steps_per_execution=1):
+def compile_model(model, steps_per_execution=1, metrics=None):
     from keras_hetero import keras
 
     model.compile(
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=metrics,
         steps_per_execution=steps_per_execution,
     )
     return model

@@ -28,7 +28,9 @@ Equal shares, global batch 256 (255 with 3 replicas), MLP 64-W-W-10, Adam,
 "stock" is HeteroModel's bare step, as in `overhead.py` (stock Keras 3
 cannot fit there). Run: `python benchmarks/interleaved.py` (Mirrored, 2
 replicas), `--replicas 4`, `--workers 2`, `--widths 64 256 --blocks 40`,
-`--profile "per tensor" divide` (overhead.py's variants of the step, on
+`--models resnet transformer` (a small ResNet and a small Transformer
+encoder beside the MLP, benchmarks/_harness.py), `--profile "per tensor"
+divide` (overhead.py's variants of the step, on
 replayed input; its variants on Keras' own split, "Keras' input split" and
 "all four off", run live on stock's input, against live stock).
 """
@@ -42,6 +44,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import GLOBAL_BATCH  # noqa: E402
+from _harness import build_model  # noqa: E402
+from _harness import compile_model  # noqa: E402
+from _harness import examples as examples_of  # noqa: E402
 from overhead import PROFILE  # noqa: E402
 from overhead import _all_off  # noqa: E402
 from overhead import _pipeline_then  # noqa: E402
@@ -58,14 +64,24 @@ EXAMPLE_BATCHES = 64  # distinct global batches; the input repeats them
 
 
 def _runs(strategy, width, steps, profile):
-    """name -> (model, distributed dataset, patch while tracing, baseline)."""
+    """name -> (model, distributed dataset, patch while tracing, baseline).
+
+    `width`: the MLP's hidden width, or a model kind of `_harness` ("resnet",
+    "transformer") at its own global batch.
+    """
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    batch = global_batch(strategy.num_replicas_in_sync)
-    rows = batch * EXAMPLE_BATCHES
-    x = rng.normal(size=(rows, 64)).astype("float32")
-    y = rng.integers(0, 10, size=(rows,)).astype("int32")
+    replicas = strategy.num_replicas_in_sync
+    kind = width if isinstance(width, str) else "mlp"
+    if kind == "mlp":
+        batch = global_batch(replicas)
+        rows = batch * EXAMPLE_BATCHES
+        x = rng.normal(size=(rows, 64)).astype("float32")
+        y = rng.integers(0, 10, size=(rows,)).astype("int32")
+    else:
+        batch = GLOBAL_BATCH[kind] - GLOBAL_BATCH[kind] % replicas
+        x, y = examples_of(kind, batch * EXAMPLE_BATCHES)
     examples = tf.data.Dataset.from_tensor_slices((x, y))
     # Inputs of known, finite length, as a user's epochs are: whether the
     # distributed iterator reads through an Optional (partial last batch)
@@ -112,11 +128,19 @@ def _runs(strategy, width, steps, profile):
         ):
             return data.as_distributed_dataset()
 
+    def model_of(model_class):
+        if kind == "mlp":
+            return build(model_class, strategy, width, 1)
+        with strategy.scope():
+            return compile_model(
+                build_model(kind, model_class), metrics=["accuracy"]
+            )
+
     def stock_model():
-        return build(stock_class, strategy, width, 1)
+        return model_of(stock_class)
 
     def hetero_model():
-        return build(kh.HeteroModel, strategy, width, 1)
+        return model_of(kh.HeteroModel)
 
     runs = {
         "stock": (stock_model(), stock_input(), bare, "stock"),
@@ -242,7 +266,7 @@ def main():
     parser.add_argument(
         "--widths",
         type=int,
-        nargs="+",
+        nargs="*",
         default=[64, 256],
         help="hidden widths W of the MLP to measure",
     )
@@ -255,6 +279,15 @@ def main():
         "(e.g. 'per tensor' divide), on replayed input; those on Keras' "
         "input split live, on stock's input",
     )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=[],
+        choices=["resnet", "transformer"],
+        help="also these models of benchmarks/_harness.py (a small ResNet on "
+        "32x32x3 images, a small Transformer encoder), each at its own "
+        "global batch",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--replicas", type=int, default=2)
     group.add_argument("--workers", type=int, default=0)
@@ -264,19 +297,25 @@ def main():
         f"{kh.FLAVOUR}, {where(args.workers, args.replicas)}, equal shares, "
         "global batch "
         f"{global_batch(args.workers or args.replicas)}, {args.blocks} "
-        f"blocks of {args.turn} steps per run, MLP 64-W-W-10, load average "
-        f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        f"blocks of {args.turn} steps per run, MLP 64-W-W-10"
+        + "".join(
+            f", {kind} (global batch {GLOBAL_BATCH[kind]})"
+            for kind in args.models
+        )
+        + f", load average at start {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores"
     )
+    items = [*args.widths, *args.models]
     print()
     lines = lines_on(
         args.workers,
         args.replicas,
         table,
-        (args.widths, args.blocks, args.turn, args.profile),
+        (items, args.blocks, args.turn, args.profile),
         _mwms_worker,
         # 300 blocks with 3 workers ran over the old fixed 590 s: about
         # 3 s per block and width covers MWMS steps of up to 30 ms.
-        timeout=590 + 3 * args.blocks * len(args.widths),
+        timeout=590 + 3 * args.blocks * len(items),
     )
     print("\n".join(lines))
     print()

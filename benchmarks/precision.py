@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 from keras_hetero import _compat  # noqa: E402
-from keras_hetero import aggregation  # noqa: E402
+from keras_hetero.training import aggregation  # noqa: E402
 
 GLOBAL_BATCH = 64
 FEATURES = 256

@@ -36,6 +36,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import GLOBAL_BATCH  # noqa: E402
 from _harness import MODELS  # noqa: E402
 from _harness import build_model  # noqa: E402
 from _harness import compile_model  # noqa: E402
@@ -45,8 +46,6 @@ from _harness import markdown_table  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
-# Global batch per model: steps of tens of milliseconds on one core.
-GLOBAL_BATCH = {"mlp": 1024, "resnet": 64, "transformer": 128}
 # name -> each worker's cap (a fraction of its core); cores round robin.
 CASES = {
     "1:1 (A/A)": [1.0, 1.0],

@@ -44,7 +44,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
-from keras_hetero import straggler  # noqa: E402
+from keras_hetero.stragglers import scoring as straggler  # noqa: E402
 
 SECONDS_PER_ROW = 0.001
 GLOBAL_BATCH = 32
