@@ -2,8 +2,8 @@
 
 `overhead.py` alternates whole fits (rounds of 40 steps each), so a change
 of the machine's speed between two fits lands in one run and not the other:
-on a shared two-core host its A/A rounds spread by 5-20%, more than the 3%
-issue 21 asks about. Here every run calls its own train function on its own
+on a shared two-core host its A/A rounds spread by 5-20%, more than the
+few percent to be measured. Here every run calls its own train function on its own
 input iterator, as `fit` does each step (and reads the logs to the host, as
 `fit` does for a Python callback), and the runs take turns every `--turn`
 steps (stock, A/A, HeteroModel, ...): a change of speed reaches all of them

@@ -6,7 +6,8 @@ per global batch (`numpy_function`: a thread switch and the GIL, which
 Keras' own Python loop holds between steps); side by side in one process
 that callback was most of the split's cost: about 0.3 ms of CPU per global
 batch, the largest piece of HeteroModel's per-step cost under
-MirroredStrategy (docs/benchmarks.md, "Per-step cost").
+MirroredStrategy (measured with benchmarks/overhead.py; in the history of
+docs/benchmarks.md, "Per-step cost").
 
 `PipelineSplit` keeps a copy of the schedule in host variables that the
 pipeline reads with native ops, and the pipeline's position in another, so

@@ -8,7 +8,7 @@ For a small model (dense float32 gradients of at most `PACK_LIMIT`
 elements, no wire compression, no `bytes_per_pack`) `aggregate` packs
 gradients, telemetry and metric values into one flat vector itself and
 divides the gradients' part once: fewer ops per step than a packing and a
-division per tensor (docs/benchmarks.md, "Per-step cost"), with the same
+division per tensor (measured; the history of docs/benchmarks.md), with the same
 bits. Larger gradients go to the collective as they are (it packs them
 itself) and each is divided on its own: copying them into one more vector
 cost more than the ops it saves.
@@ -23,7 +23,7 @@ WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
 # Gradient elements up to which `aggregate` packs one vector itself. Above
 # it the collective's own packing and a division per gradient were faster:
 # packing a large model copies its gradients once more for fewer small ops
-# (measured 2026-12-03, docs/benchmarks.md "Per-step cost": 2-6 points of
+# (measured 2026-12-03, history of docs/benchmarks.md: 2-6 points of
 # the step at 85,000 gradient elements, none measurable at 9,000).
 PACK_LIMIT = 32768
 
