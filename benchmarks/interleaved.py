@@ -1,16 +1,15 @@
 """HeteroModel vs stock keras.Model, the runs taking turns every few steps.
 
-`overhead.py` alternates whole fits (rounds of 40 steps each), so a change
-of the machine's speed between two fits lands in one run and not the other:
-on a shared two-core host its A/A rounds spread by 5-20%, more than the
-few percent to be measured. Here every run calls its own train function on its own
-input iterator, as `fit` does each step (and reads the logs to the host, as
-`fit` does for a Python callback), and the runs take turns every `--turn`
-steps (stock, A/A, HeteroModel, ...): a change of speed reaches all of them
-within a few milliseconds. The steps of one turn of every run form a block;
-each block gives each run a ratio (its median step over stock's in the same
-block), and the table gives the median of the blocks' ratios and their
-quartiles.
+`overhead.py` alternates whole fits (rounds of 40 steps each), so a change of
+the machine's speed between two fits lands in one run and not the other: on a
+shared two-core host its A/A rounds spread by 5-20%, more than the few percent
+to be measured. Here every run calls its own train function on its own input
+iterator, as `fit` does each step (and reads the logs to the host, as `fit`
+does for a Python callback), and the runs take turns every `--turn` steps
+(stock, A/A, HeteroModel, ...): a change of speed reaches all of them within a
+few milliseconds. The steps of one turn of every run form a block; each block
+gives each run a ratio (its median step over stock's in the same block), and
+the table gives the median of the blocks' ratios and their quartiles.
 
 Two kinds of input. "live": stock iterates `dataset.batch(global)` through
 Keras' split, HeteroModel a `kh.data.shard` dataset, as in `fit`. Each

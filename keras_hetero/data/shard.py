@@ -665,8 +665,8 @@ def _gather_padded(batch, bounds, total):
     One gather per tensor: slicing, padding and stacking each replica's
     rows cost about 0.1-0.35 ms more CPU per global batch with 4 replicas
     (measured 2026-12-03 with benchmarks/interleaved.py; the table is in
-    docs/benchmarks.md's history). Padding rows repeat the batch's last row; `_unpad` cuts
-    them off.
+    docs/benchmarks.md's history). Padding rows repeat the batch's last
+    row; `_unpad` cuts them off.
     """
     starts = bounds[:-1]
     rows = bounds[1:] - starts
