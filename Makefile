@@ -41,7 +41,7 @@ WHEEL_VENV := .venv-wheel
 WHEEL_TESTS := tests/test_model_api.py tests/test_equivalence.py \
 	tests/test_clock_graph.py tests/test_clock_check.py
 
-.PHONY: install install-oldest demo test test-quick test-keras3 test-legacy \
+.PHONY: install install-oldest demo demo-simulated test test-quick test-keras3 test-legacy \
 	test-legacy-all test-quick-keras3 test-quick-legacy test-oldest \
 	test-oldest-keras3 test-oldest-legacy conformance lint bench docs clean \
 	package package-check
@@ -68,9 +68,15 @@ $(OLD_STAMP): pyproject.toml
 
 install-oldest: $(OLD_STAMP)
 
-## The main demo: HeteroModel on simulated unequal devices (it writes
-## TensorBoard logs: the extra gives the `tensorboard` command it prints).
+## The demo: HeteroModel on REAL unequal devices (two workers, one under a
+## CPU quota: Linux, root) where the machine allows it, else the SIMULATED
+## demo examples/quickstart.py (it writes TensorBoard logs: the extra gives
+## the `tensorboard` command it prints). `make demo-simulated` runs that one.
 demo: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[tensorboard]"
+	$(BIN)/python examples/real_devices.py
+
+demo-simulated: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[tensorboard]"
 	$(BIN)/python examples/quickstart.py
 

@@ -1,4 +1,5 @@
-"""`make demo` (examples/quickstart.py) runs and writes its run report."""
+"""`make demo`: the real-devices demo (examples/real_devices.py) and the
+simulated one (examples/quickstart.py, which writes its run report)."""
 
 import os
 import pathlib
@@ -6,25 +7,31 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+import keras_hetero as kh
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_prints_the_table_and_writes_the_report(tmp_path):
+def _run_example(name, *args, cwd):
+    """What examples/`name` prints, run as a user runs it."""
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "quickstart.py"),
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=cwd,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    printed = result.stdout
+    return result.stdout
+
+
+def test_quickstart_prints_the_table_and_writes_the_report(tmp_path):
+    printed = _run_example(
+        "quickstart.py", "--out", str(tmp_path), cwd=tmp_path
+    )
     assert "SIMULATED" in printed
     for setup in (
         "stock keras.Model, equal split",
@@ -44,3 +51,24 @@ def test_quickstart_prints_the_table_and_writes_the_report(tmp_path):
     assert "data:image/png;base64," in page
     assert "<td>straggler</td>" in page
     assert list((tmp_path / "tensorboard" / "hetero").glob("events.out.*"))
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.one_flavour  # tests/test_real_devices.py covers both flavours
+def test_real_devices_demo_rebalances_two_capped_workers(tmp_path):
+    """`make demo` where CPU quotas exist: real workers, real speed-up."""
+    available, reason = kh.testing.cpu_quota_available()
+    if not available:
+        pytest.skip(reason)
+    printed = _run_example("real_devices.py", cwd=tmp_path)
+    assert "CPU quota, no simulation" in printed
+    ratio = float(re.search(r"worker 1 / worker 0: ([0-9.]+)", printed)[1])
+    assert "rebalanced / equal shares:" in printed  # a speed: not asserted
+    # A quarter of a core against a whole one: the clocks see it, and the
+    # rebalancer gives the fast worker most of the rows.
+    assert ratio > 2.0, printed
+    shares = re.search(
+        r"\| rebalanced \| \d+ \| ([0-9.]+), ([0-9.]+) \|", printed
+    )
+    assert float(shares[1]) > 2 * float(shares[2]), printed
