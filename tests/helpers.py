@@ -243,3 +243,14 @@ class Arm(keras.callbacks.Callback):
             self.probe["scale_after"] = self.model.loss_scale
         if self.step == self.at + 1:
             self.probe["next"] = self.probe["snapshot"]()
+
+
+def slow_model(strategy, seconds_per_row):
+    """A compiled HeteroModel whose replicas are SIMULATED slow
+    (`kh.testing.SimulatedSpeed(seconds_per_row)`) before one Dense layer."""
+    with strategy.scope():
+        inputs = keras.Input((FEATURES,))
+        slow = kh.testing.SimulatedSpeed(seconds_per_row)(inputs)
+        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow))
+        model.compile(optimizer="sgd", loss="mse")
+    return model

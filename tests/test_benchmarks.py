@@ -44,6 +44,7 @@ def test_every_benchmark_script_imports():
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.one_flavour  # an import and plumbing check
 def test_real_devices_smoke():
     available, reason = kh.testing.cpu_quota_available()
     if not available:

@@ -10,7 +10,6 @@ import tensorflow as tf
 from conftest import DEVICES
 
 import keras_hetero as kh
-from keras_hetero._compat import keras
 from keras_hetero.training import telemetry
 from keras_hetero.training.clock_check import ClockCheck
 
@@ -144,22 +143,13 @@ def _blind_clock_on(device, monkeypatch):
     monkeypatch.setattr(telemetry, "clock", clock)
 
 
-def _model(strategy, seconds_per_row):
-    with strategy.scope():
-        inputs = keras.Input((helpers.FEATURES,))
-        slow = kh.testing.SimulatedSpeed(seconds_per_row)(inputs)
-        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow))
-        model.compile(optimizer="sgd", loss="mse")
-    return model
-
-
 def test_rebalancer_holds_a_blind_replica_and_balances_the_others(
     monkeypatch, caplog
 ):
     _blind_clock_on(DEVICES[1], monkeypatch)
     strategy = helpers.mirrored(DEVICES[:3])
     # SIMULATED speeds 1 : (blind) : 4.
-    model = _model(strategy, [0.004, 0.001, 0.001])
+    model = helpers.slow_model(strategy, [0.004, 0.001, 0.001])
     data = kh.data.shard(helpers.examples(rows=30 * 30), 30, strategy=strategy)
     rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=4, window=4)
     with caplog.at_level(logging.WARNING, logger="keras_hetero"):
@@ -179,7 +169,7 @@ def test_detector_raises_no_false_alarm_from_a_blind_replica(
 ):
     _blind_clock_on(DEVICES[0], monkeypatch)
     strategy = helpers.mirrored(DEVICES[:3])
-    model = _model(strategy, 0.001)
+    model = helpers.slow_model(strategy, 0.001)
     data = kh.data.shard(helpers.examples(rows=30 * 30), 30, strategy=strategy)
     detector = kh.callbacks.StragglerDetector(patience=2, window=3)
     with caplog.at_level(logging.WARNING, logger="keras_hetero"):

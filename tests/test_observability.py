@@ -35,21 +35,12 @@ class Recorder(keras.callbacks.Callback):
         self.stats[stats.step] = stats
 
 
-def _slow_model(strategy, seconds_per_row):
-    with strategy.scope():
-        inputs = keras.Input((helpers.FEATURES,))
-        slow = kh.testing.SimulatedSpeed(seconds_per_row)(inputs)
-        model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow))
-        model.compile(optimizer="sgd", loss="mse")
-    return model
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One fit with every observer: SIMULATED replica 0 is 4x slower."""
     out = tmp_path_factory.mktemp("run")
     strategy = helpers.mirrored(DEVICES[:2])
-    model = _slow_model(strategy, [0.002, 0.0005])
+    model = helpers.slow_model(strategy, [0.002, 0.0005])
     data = kh.data.shard(
         helpers.examples(rows=GLOBAL_BATCH * STEPS),
         GLOBAL_BATCH,
@@ -163,7 +154,7 @@ def test_tensorboard_has_straggler_scores_and_checkpoint_times(run):
 
 def test_tensorboard_update_freq_epoch(tmp_path):
     strategy = helpers.mirrored(DEVICES[:2])
-    model = _slow_model(strategy, 0.0)
+    model = helpers.slow_model(strategy, 0.0)
     data = kh.data.shard(helpers.examples(rows=64), 16, strategy=strategy)
     recorder = Recorder()
     board = kh.callbacks.HeteroTensorBoard(tmp_path, update_freq="epoch")
@@ -182,7 +173,7 @@ def test_tensorboard_rejects_bad_update_freq(update_freq):
 def test_only_the_chief_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(_distribute, "is_chief", lambda strategy: False)
     strategy = helpers.mirrored(DEVICES[:2])
-    model = _slow_model(strategy, 0.0)
+    model = helpers.slow_model(strategy, 0.0)
     data = kh.data.shard(helpers.examples(rows=64), 16, strategy=strategy)
     board = kh.callbacks.HeteroTensorBoard(tmp_path / "logs", update_freq=1)
     report = kh.callbacks.RunReport(tmp_path / "report")
@@ -393,7 +384,7 @@ def test_progress_prints_each_share_change_and_epoch_shares(run):
 
 def test_no_share_lines_when_not_verbose():
     strategy = helpers.mirrored(DEVICES[:2])
-    model = _slow_model(strategy, [0.002, 0.0005])
+    model = helpers.slow_model(strategy, [0.002, 0.0005])
     data = kh.data.shard(helpers.examples(rows=16 * 8), 16, strategy=strategy)
     rebalancer = kh.callbacks.ShardRebalancer(
         data, every_n_steps=2, warmup_steps=1, window=2
