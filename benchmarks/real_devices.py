@@ -54,6 +54,11 @@ CASES = {
     "1:2:4 (3 workers)": [0.5, 1.0, 0.25],  # cores 0, 1, 0
 }
 DISTINCT_BATCHES = 8  # the input repeats this many distinct global batches
+# The straggler table's MLP: compute-bound steps (tens of ms per worker), so
+# a quota drop slows the worker's compute. (With steps of a millisecond or
+# two the capped worker computes within its quota while it waits for the
+# collective, and nothing is slower: no straggler to find.)
+STRAGGLER_BATCH = 8192
 
 
 def _task_index():
@@ -222,7 +227,7 @@ def straggler_table(model_kind, steps, drop_at, drop_to, timeout, runs):
             _straggler_worker,
             2,
             timeout=timeout,
-            args=(model_kind, steps, drop_at, drop_to, 256),
+            args=(model_kind, steps, drop_at, drop_to, STRAGGLER_BATCH),
             cpu_quotas=[None, None],
             cores="auto",
         )
@@ -309,8 +314,9 @@ def main():
         print("\n" + table)
     if "straggler" in args.tables:
         print(
-            f"\nStraggler detection: MLP, 2 equal workers, worker 1 capped "
-            f"at {args.drop_to} of its core before step {args.drop_at}\n"
+            f"\nStraggler detection: MLP, global batch {STRAGGLER_BATCH}, 2 "
+            f"equal workers, worker 1 capped at {args.drop_to} of its core "
+            f"before step {args.drop_at}\n"
         )
         table = straggler_table(
             "mlp",
