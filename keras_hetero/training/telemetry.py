@@ -103,8 +103,9 @@ def clock(dependencies, enabled=True):
             "Invalid value for argument `dependencies`. Received: "
             f"dependencies={dependencies!r}. Expected at least one tensor."
         )
-    on_device = [t for t in tensors if not _on_host(t.device)]
-    on_host = [t for t in tensors if _on_host(t.device)]
+    on_device, on_host = [], []
+    for tensor in tensors:
+        (on_host if _on_host(tensor.device) else on_device).append(tensor)
     with tf.device(_host_of(tensors[0].device)):
         token = device_token(on_device) if on_device else None
         if token is None:
