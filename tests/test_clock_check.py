@@ -184,3 +184,21 @@ def test_detector_raises_no_false_alarm_from_a_blind_replica(
         r.getMessage() for r in caplog.records if DEVICES[0] in r.getMessage()
     ]
     assert len(named) == 1
+
+
+def test_at_1024_replicas_the_blind_half_is_found_and_no_other():
+    """The vectorised check names exactly the replicas whose seconds stay
+    flat when the shares move (half of 1,024), and no healthy one."""
+    replicas = 1024
+    check = ClockCheck([f"/gpu:{i}" for i in range(replicas)])
+    blind = np.arange(replicas) < 512
+    found = []
+    for step in range(40):
+        rows = np.full(replicas, 16.0)
+        if step >= 20:
+            rows = np.where(np.arange(replicas) % 2, 8.0, 24.0)
+        seconds = np.where(blind, 0.002, 0.001 + rows * 1e-4)
+        found += check.add(rows, seconds)
+    assert sorted(f.replica for f in found) == list(range(512))
+    assert {f.sign for f in found} == {"rows"}
+    np.testing.assert_array_equal(check.usable(), ~blind)

@@ -143,13 +143,25 @@ class ClockCheck:
         replicas = len(self.devices)
         self.blind = np.zeros(replicas, bool)
         self._below = np.zeros(replicas, np.int64)
-        self._noise_reported = set()
+        self._noise_reported = np.zeros(replicas, bool)
         self._rows = np.full((self.window, replicas), np.nan)
         self._seconds = np.full((self.window, replicas), np.nan)
+        self._readings = 0
+        # The rows test: each replica's last measured rows; since its latest
+        # change of rows, the readings taken (`_age`, -1: none pending) and
+        # the medians of the readings just before it.
+        self._enough = max(self.window // 4, 2)
+        self._last_rows = np.full(replicas, np.nan)
+        self._age = np.full(replicas, -1, np.int64)
+        self._before = np.full((2, replicas), np.nan)  # rows, seconds
 
     def add(self, rows, seconds, steps=1):
         """Adds one reading (one train-function call); returns the new
         findings (replicas found blind or noisy by this reading).
+
+        The work per reading is a few vector operations over the replicas;
+        only the replicas whose rows just changed, or whose test of a change
+        is due, are looked at one by one.
 
         Args:
             rows: Rows per replica, summed over `steps`.
@@ -170,23 +182,30 @@ class ClockCheck:
         self._seconds = np.concatenate(
             [self._seconds[1:], np.where(measured, seconds, np.nan)[None]]
         )
+        self._readings += 1
         below = measured & (seconds < self.floor_seconds)
         self._below = np.where(
             below, self._below + 1, np.where(measured, 0, self._below)
         )
         findings = []
-        for replica in np.flatnonzero(~self.blind):
-            finding = self._blind_sign(replica)
-            if finding is not None:
-                self.blind[replica] = True
-                findings.append(finding)
-        for replica in np.flatnonzero(~self.blind):
-            if replica in self._noise_reported:
-                continue
-            finding = self._noise(replica)
-            if finding is not None:
-                self._noise_reported.add(replica)
-                findings.append(finding)
+        for replica in np.flatnonzero(
+            ~self.blind & (self._below >= self.patience)
+        ):
+            findings.append(
+                self._finding(
+                    replica,
+                    "floor",
+                    f"{self._below[replica]} readings in a row below "
+                    f"{self.floor_seconds:g} s per step while it had rows",
+                )
+            )
+        for finding in findings:
+            self.blind[finding.replica] = True
+        for finding in self._rows_test(rows, measured):
+            self.blind[finding.replica] = True
+            findings.append(finding)
+        if self._readings % max(self.window // 2, 1) == 0:
+            findings += self._noise()
         return findings
 
     def usable(self):
@@ -201,75 +220,111 @@ class ClockCheck:
     def _finding(self, replica, sign, detail):
         return ClockFinding(int(replica), self.devices[replica], sign, detail)
 
-    def _blind_sign(self, replica):
-        if self._below[replica] >= self.patience:
-            return self._finding(
-                replica,
-                "floor",
-                f"{self._below[replica]} readings in a row below "
-                f"{self.floor_seconds:g} s per step while it had rows",
+    def _rows_test(self, rows, measured):
+        """Findings of the rows sign: seconds that stay where they were
+        while the rows move by `min_rows_change` or more."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            move = np.abs(np.log(rows / self._last_rows))
+        changed = measured & (move >= np.log1p(self.min_rows_change))
+        self._last_rows = np.where(measured, rows, self._last_rows)
+        self._age = np.where(self._age >= 0, self._age + 1, self._age)
+        # The readings just before the change (this one is the first after
+        # it): the last `_enough` measured ones.
+        columns = np.flatnonzero(changed & ~self.blind)
+        before = _last_medians(
+            self._rows[:-1, columns], self._seconds[:-1, columns], self._enough
+        )
+        self._before[:, columns] = before
+        self._age[columns] = np.where(np.isfinite(before[1]), 1, -1)
+        findings = []
+        due = np.flatnonzero((self._age >= self._enough) & ~self.blind)
+        for age in np.unique(self._age[due]):
+            columns = due[self._age[due] == age]
+            after = _last_medians(
+                self._rows[-age:, columns],
+                self._seconds[-age:, columns],
+                self._enough,
             )
-        rows = self._rows[:, replica]
-        seconds = self._seconds[:, replica]
-        seen = np.isfinite(rows)
-        rows, seconds = rows[seen], seconds[seen]
-        # The latest change of rows by at least `min_rows_change`, and the
-        # readings just before and just after it: close in time, so a change
-        # of the device's speed rarely falls between them.
-        enough = max(self.window // 4, 2)
-        ratio = rows[1:] / rows[:-1]
-        changes = np.flatnonzero(
-            np.abs(np.log(ratio)) >= np.log1p(self.min_rows_change)
-        )
-        if not changes.size:
-            return None
-        change = changes[-1] + 1
-        before = slice(max(change - enough, 0), change)
-        after = slice(change, change + enough)
-        if change < enough or len(rows) - change < enough:
-            return None
-        rows_before, rows_after = (
-            np.median(rows[before]),
-            np.median(rows[after]),
-        )
-        seconds_before = np.median(seconds[before])
-        seconds_after = np.median(seconds[after])
-        if min(seconds_before, seconds_after) <= 0:
-            return None  # the floor's to judge
-        # A clock that does not see the work reads the same seconds
-        # whatever the rows; a working one moves (with the rows, or against
-        # them if the device's speed changed too), on a log scale by at
-        # least `min_response` of the rows' move.
-        rows_move = abs(np.log(rows_after / rows_before))
-        seconds_move = abs(np.log(seconds_after / seconds_before))
-        if seconds_move >= self.min_response * rows_move:
-            return None
-        return self._finding(
-            replica,
-            "rows",
-            f"its rows per step went from {rows_before:g} to {rows_after:g} "
-            f"and its seconds per step stayed at {seconds_before:.3g} to "
-            f"{seconds_after:.3g}",
-        )
+            known = np.isfinite(after[1])
+            # Not enough measured readings since the change: wait, while the
+            # window still holds the change.
+            waiting = ~known & (age < self.window)
+            self._age[columns[~waiting]] = -1
+            rows_before, seconds_before = self._before[:, columns]
+            rows_after, seconds_after = after
+            with np.errstate(divide="ignore", invalid="ignore"):
+                # A clock that does not see the work reads the same seconds
+                # whatever the rows; a working one moves (with the rows, or
+                # against them if the device's speed changed too), on a log
+                # scale by at least `min_response` of the rows' move.
+                rows_move = np.abs(np.log(rows_after / rows_before))
+                seconds_move = np.abs(np.log(seconds_after / seconds_before))
+            flat = (
+                known
+                & (np.minimum(seconds_before, seconds_after) > 0)
+                & (seconds_move < self.min_response * rows_move)
+            )
+            for index in np.flatnonzero(flat):
+                findings.append(
+                    self._finding(
+                        columns[index],
+                        "rows",
+                        f"its rows per step went from {rows_before[index]:g}"
+                        f" to {rows_after[index]:g} and its seconds per step "
+                        f"stayed at {seconds_before[index]:.3g} to "
+                        f"{seconds_after[index]:.3g}",
+                    )
+                )
+        return findings
 
-    def _noise(self, replica):
-        rows = self._rows[:, replica]
-        seconds = self._seconds[:, replica]
-        seen = np.isfinite(rows)
-        rows, cost = rows[seen], seconds[seen] / rows[seen]
-        # Consecutive readings at equal rows: a change of the device's speed
-        # is one large step among them (the detector's business), jitter is
-        # many.
-        same = (rows[1:] == rows[:-1]) & (cost[1:] > 0) & (cost[:-1] > 0)
-        if same.sum() < self.window // 2:
-            return None
-        steps = np.abs(np.log(cost[1:][same] / cost[:-1][same]))
-        jitter = float(np.exp(np.median(steps)))
-        if jitter <= self.max_jitter:
-            return None
-        return self._finding(
-            replica,
-            "noise",
-            "at constant rows its cost per row changes by a median factor "
-            f"of {jitter:.1f} from one reading to the next",
+    def _noise(self):
+        """Findings of the noise sign (each replica once): consecutive
+        readings at equal rows, the median factor between them. A change of
+        the device's speed is one large step among them, jitter is many."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cost = self._seconds / self._rows
+            same = (self._rows[1:] == self._rows[:-1]) & (cost[1:] > 0)
+            same &= cost[:-1] > 0
+            steps = np.where(same, np.abs(np.log(cost[1:] / cost[:-1])), np.inf)
+        counted = same.sum(axis=0)
+        # The median of the counted steps: the uncounted sort last.
+        ordered = np.sort(steps, axis=0)
+        middle = np.clip((counted - 1) // 2, 0, len(ordered) - 1)
+        median = ordered[middle, np.arange(ordered.shape[1])]
+        jitter = np.exp(np.where(counted > 0, median, 0.0))
+        noisy = (
+            (counted >= self.window // 2)
+            & (jitter > self.max_jitter)
+            & ~self.blind
+            & ~self._noise_reported
         )
+        self._noise_reported |= noisy
+        return [
+            self._finding(
+                replica,
+                "noise",
+                "at constant rows its cost per row changes by a median "
+                f"factor of {jitter[replica]:.1f} from one reading to the "
+                "next",
+            )
+            for replica in np.flatnonzero(noisy)
+        ]
+
+
+def _last_medians(rows, seconds, count):
+    """Per column, the medians of the rows and seconds of the last `count`
+    measured readings (`[2, columns]`; NaN where fewer were measured)."""
+    result = np.full((2, rows.shape[1]), np.nan)
+    if not rows.size:
+        return result
+    recent = np.isfinite(seconds[-count:])
+    full = recent.all(axis=0) & (len(recent) >= count)
+    # The common case: every one of the last `count` readings measured.
+    result[0, full] = np.median(rows[-count:, full], axis=0)
+    result[1, full] = np.median(seconds[-count:, full], axis=0)
+    for column in np.flatnonzero(~full):
+        seen = np.flatnonzero(np.isfinite(seconds[:, column]))[-count:]
+        if len(seen) == count:
+            result[0, column] = np.median(rows[seen, column])
+            result[1, column] = np.median(seconds[seen, column])
+    return result
