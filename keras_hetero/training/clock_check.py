@@ -159,9 +159,9 @@ class ClockCheck:
         """Adds one reading (one train-function call); returns the new
         findings (replicas found blind or noisy by this reading).
 
-        The work per reading is a few vector operations over the replicas;
-        only the replicas whose rows just changed, or whose test of a change
-        is due, are looked at one by one.
+        The work per reading is a few vector operations over the replicas
+        (`benchmarks/clock_check.py`); the noise sign is looked at every
+        `window // 2` readings.
 
         Args:
             rows: Rows per replica, summed over `steps`.
