@@ -400,3 +400,31 @@ def test_two_workers_time_an_allreduce():
         results[0].value["cluster"]["suggested_shares"]
         == results[1].value["cluster"]["suggested_shares"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_two_throttled_workers_see_their_quota_and_suggest_shares_by_it():
+    """Real unequal devices (CPU quota): worker 1 capped at a quarter of its
+    core reports the quota, and both suggest about 4 : 1 shares."""
+    available, reason = kh.testing.cpu_quota_available()
+    if not available:
+        pytest.skip(reason)
+    results = kh.testing.run_workers(
+        collective_doctor,
+        2,
+        timeout=180,
+        cpu_quotas=[None, 0.25],
+        cores="auto",
+    )
+    reports = [result.value for result in results]
+    assert reports[0]["host"]["cpu_quota"] is None
+    assert reports[1]["host"]["cpu_quota"] == pytest.approx(0.25)
+    for report in reports:
+        fast, slow = report["cluster"]["suggested_shares"]
+        # Capacity 4 : 1; the matmul timing on a busy host may land lower.
+        assert fast / slow > 2.5, report["cluster"]["suggested_shares"]
+    assert (
+        reports[0]["cluster"]["suggested_shares"]
+        == reports[1]["cluster"]["suggested_shares"]
+    )
