@@ -325,7 +325,7 @@ def test_profile_errors_name_the_bad_value():
     unbuildable = keras.Sequential(
         [keras.layers.Dense(4), keras.layers.Reshape((3, 3))]
     )
-    with pytest.raises(ValueError, match="`model`.*not built.*Reshape"):
+    with pytest.raises(ValueError, match=r"`model`.*not built.*shape \(4, 8\)"):
         measure(on=unbuildable)
     with pytest.raises(ValueError, match="`model`"):
         measure(on=_Subclassed())

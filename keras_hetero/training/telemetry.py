@@ -188,14 +188,16 @@ def device_token(tensors):
 
 
 def _tensors(structure):
-    """The tensors of `structure` (a tensor or a list), None left out and
-    `tf.IndexedSlices` as their values."""
+    """The tensors of `structure` (a tensor or a list), None left out,
+    `tf.IndexedSlices` as their values and other composite tensors
+    (`tf.RaggedTensor`, `tf.SparseTensor`: an input of the step) as their
+    component tensors."""
     tensors = []
     for item in tf.nest.flatten(structure):
         if isinstance(item, tf.IndexedSlices):
             item = item.values
         if item is not None:
-            tensors.append(item)
+            tensors.extend(tf.nest.flatten(item, expand_composites=True))
     return tensors
 
 
