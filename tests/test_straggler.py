@@ -401,3 +401,123 @@ def test_states_saved_before_the_noise_floor_still_load():
     assert again.noise == 0.0
     scorer = straggler.Scorer.from_state(again)
     assert scorer.step([4, 4], [0.04, 0.04], threshold=0.7, patience=1) == []
+
+
+def _mixed_readings(seed, replicas, steps, slowdowns):
+    """`(rows, seconds)` per step: devices 1 : 1.5 : 3 by design, +-5%
+    jitter, 1% of readings stalled 2-5x, 2% with no rows, a share change
+    halfway, `slowdowns` (replica, start, end, factor), every replica 1.3x
+    slower for 40 steps, one replica not measured (NaN) for 15 steps and a
+    zero compute time. Only uniform draws, whose stream numpy keeps."""
+    rng = np.random.default_rng(seed)
+    design = np.array([1.0, 1.5, 3.0])[np.arange(replicas) % 3]
+    uniform = rng.random((steps, replicas))
+    cost = 0.002 / design * (1.0 + 0.1 * (uniform - 0.5))
+    stalls = rng.random((steps, replicas)) < 0.01
+    cost *= np.where(stalls, 2.0 + 3.0 * rng.random((steps, replicas)), 1.0)
+    rows = np.full((steps, replicas), 16.0)
+    rows[steps // 2 :] = np.round(16.0 * design / design.mean())
+    rows[rng.random((steps, replicas)) < 0.02] = 0.0
+    for replica, start, end, factor in slowdowns:
+        cost[start:end, replica] *= factor
+    cost[steps // 2 : steps // 2 + 40] *= 1.3
+    seconds = cost * rows
+    seconds[100:115, replicas - 1] = np.nan
+    seconds[170, 0] = 0.0
+    return rows, seconds
+
+
+# Events recorded from the scoring as it was before `Scorer` was
+# vectorised over the replicas (pure Python then), on `_mixed_readings`:
+# `(step, replica, kind, relative score, individual score)`, and the final
+# noise (`least`: `min_excess_seconds`). Both implementations must keep
+# taking exactly these decisions.
+PINNED = [
+    (
+        dict(seed=1, replicas=3, steps=400, slowdowns=[(1, 133, 253, 1.6)]),
+        dict(window=9, patience=3, relative_threshold=0.2, least=0.003),
+        [
+            (139, 1, "straggler", 0.3194884499853902, 0.6307714126462288),
+            (257, 1, "recovered", 0.46650216089369484, 1.0),
+        ],
+        0.0004740120394839842,
+    ),
+    (
+        dict(
+            seed=2,
+            replicas=5,
+            steps=400,
+            slowdowns=[(2, 60, 90, 1.5), (4, 250, 400, 2.0)],
+        ),
+        dict(window=5, patience=2, relative_threshold=None, least=0.0),
+        [
+            (5, 0, "straggler", 0.33497416083862314, 0.9825299075143548),
+            (5, 1, "straggler", 0.5106386949301478, 0.9723449400667273),
+            (5, 3, "straggler", 0.34315443600512596, 0.9894547673762762),
+            (5, 4, "straggler", 0.5185838649868693, 1.0),
+            (63, 1, "recovered", 0.7552975016933656, 1.0),
+            (63, 4, "recovered", 0.7401360034061065, 0.9748954065473832),
+            (65, 2, "straggler", 1.0, 0.6674355422422659),
+            (92, 2, "recovered", 1.0, 0.9959978366537221),
+            (93, 1, "straggler", 0.486188544556622, 0.9511543403906731),
+            (93, 4, "straggler", 0.48492261238121126, 0.9451789338559078),
+            (
+                105,
+                4,
+                "recovered",
+                np.nan,
+                np.nan,
+            ),  # its whole window unmeasured
+            (116, 4, "straggler", 0.4977746143618133, 0.9912785519621015),
+        ],
+        0.0008646155829745179,
+    ),
+    (
+        dict(
+            seed=3,
+            replicas=8,
+            steps=500,
+            slowdowns=[
+                (5, 60, 200, 2.0),
+                (2, 300, 500, 1.5),
+                (7, 320, 380, 1.5),
+                (1, 400, 500, 1.2),
+            ],
+        ),
+        dict(window=9, patience=3, relative_threshold=0.3, least=0.001),
+        [
+            (66, 5, "straggler", 0.5085777914796867, 0.5061762248299768),
+            (206, 5, "recovered", 0.9732283017563735, 1.0),
+            (306, 2, "straggler", 0.6366921910065191, 0.6338204865118975),
+            (326, 7, "straggler", 0.33821244243194554, 0.6601614898231881),
+            (370, 2, "recovered", 0.6695134931889934, 0.7035981029633668),
+            (377, 7, "recovered", 0.3374320197901057, 0.7229513024171591),
+        ],
+        0.0005916566025175699,
+    ),
+]
+
+
+def test_both_scorers_take_the_pinned_decisions():
+    for readings, options, pinned, noise in PINNED:
+        rows, seconds = _mixed_readings(**readings)
+        window = options["window"]
+        rules = dict(
+            threshold=0.7,
+            patience=options["patience"],
+            relative_threshold=options["relative_threshold"],
+            min_excess_seconds=options["least"],
+        )
+        state = straggler.ScoreState.empty(readings["replicas"], window)
+        scorer = straggler.Scorer(readings["replicas"], window)
+        events, reference = [], []
+        for step in range(len(rows)):
+            state = straggler.add_reading(state, rows[step], seconds[step])
+            state, changes = straggler.evaluate(state, **rules)
+            reference += [(step, *change) for change in changes]
+            changes = scorer.step(rows[step], seconds[step], **rules)
+            events += [(step, *change) for change in changes]
+        # As text: NaN scores compare equal.
+        assert repr(events) == repr(pinned), readings["seed"]
+        assert repr(reference) == repr(pinned), readings["seed"]
+        assert scorer.state().noise == noise == state.noise
