@@ -3,7 +3,11 @@
 - Flavour branches and private TensorFlow/Keras internals live in
   `keras_hetero/_compat/` only.
 - No import cycle between keras_hetero's modules, counting imports inside
-  functions (they hide a cycle, they do not remove it).
+  functions (they hide a cycle, they do not remove it) and the package
+  `__init__`s an import runs first.
+- The modules form layers (`LAYERS`, bottom first): no module imports one
+  of a higher layer, counting those `__init__`s too.
+- The `__init__`s of `FACADES` only re-export.
 - Every module imports on its own, in a fresh interpreter.
 - `TF_CONFIG` is parsed in one place (`_distribute.env_task`).
 """
@@ -167,13 +171,164 @@ def _cycles(graph):
     return found
 
 
+def _runs(importer, target):
+    """What importing `target` from module `importer` runs: `target` and
+    each package above it (importing `a.b.c` runs `a/__init__` and
+    `a/b/__init__` first), less the packages `importer` is inside (already
+    running). A name taken from one of those (`from keras_hetero import
+    checkpointing` in `checkpointing/callback.py`) still counts."""
+    parts = target.split(".")
+    prefixes = [".".join(parts[:end]) for end in range(1, len(parts))]
+    inside = importer if _is_package(importer) else importer.rpartition(".")[0]
+    runs = {
+        prefix
+        for prefix in prefixes
+        if not (inside == prefix or inside.startswith(prefix + "."))
+    }
+    return (runs | {target}) - {importer}
+
+
 def _graph():
-    return {name: _imports(name, path) for name, path in _modules()}
+    """Module -> the keras_hetero modules and packages its imports run."""
+    graph = {}
+    for name, path in _modules():
+        graph[name] = set()
+        for target in _imports(name, path):
+            graph[name] |= _runs(name, target)
+    return graph
+
+
+# The layers, bottom first (docs/how-it-works.md, "Where things live"). A
+# module belongs to the layer of the longest name here that it equals or
+# lies inside; it may import its own layer and those below.
+LAYERS = (
+    (  # Foundations: argument checks, Keras flavours, strategy facts.
+        "keras_hetero._checks",
+        "keras_hetero._compat",
+        "keras_hetero._batches",
+        "keras_hetero._distribute",
+        "keras_hetero.timeouts",
+        "keras_hetero.precision",
+    ),
+    (  # What every callback builds on.
+        "keras_hetero._callback_protocol",
+        "keras_hetero._scalar_writer",
+    ),
+    (  # Model parallel hints and input.
+        "keras_hetero.layers",
+        "keras_hetero.data",
+    ),
+    (  # The training step.
+        "keras_hetero.training",
+        "keras_hetero.model",
+        "keras_hetero.sequential",
+    ),
+    (  # The callbacks, each with its pure core.
+        "keras_hetero.balancing",
+        "keras_hetero.stragglers",
+        "keras_hetero.checkpointing",
+    ),
+    (  # Callbacks that watch the others.
+        "keras_hetero.report",
+    ),
+    (  # Facades and tools: nothing below imports them.
+        "keras_hetero",
+        "keras_hetero.callbacks",
+        "keras_hetero.placement",
+        "keras_hetero.doctor",
+        "keras_hetero.launcher",
+        "keras_hetero.run",
+        "keras_hetero.testing",
+        "keras_hetero.ray",
+    ),
+)
+
+
+# Packages whose `__init__` only re-exports (a docstring, imports,
+# `__all__`): importing one of their modules runs nothing else.
+FACADES = (
+    "keras_hetero.callbacks",
+    "keras_hetero.checkpointing",
+    "keras_hetero.placement",
+    "keras_hetero.report",
+)
+
+
+def _layer(name):
+    """The index in `LAYERS` of module `name`, or None."""
+    found, length = None, -1
+    for index, members in enumerate(LAYERS):
+        for member in members:
+            inside = name == member or name.startswith(member + ".")
+            if inside and len(member) > length:
+                found, length = index, len(member)
+    return found
+
+
+def _upward_imports(graph):
+    return sorted(
+        f"{name} (layer {_layer(name)}) imports {target} "
+        f"(layer {_layer(target)})"
+        for name, targets in graph.items()
+        for target in targets
+        if _layer(target) > _layer(name)
+    )
 
 
 def test_no_import_cycles():
     cycles = _cycles(_graph())
-    assert not cycles, f"import cycles (counting function-level): {cycles}"
+    assert not cycles, (
+        "import cycles (counting function-level imports and package "
+        f"__init__s): {cycles}"
+    )
+
+
+def test_every_module_has_a_layer():
+    names = [name for name, _ in _modules()]
+    assert [name for name in names if _layer(name) is None] == []
+    listed = [member for members in LAYERS for member in members]
+    assert [member for member in listed if not _exists(member)] == []
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = _upward_imports(_graph())
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_facades_only_re_export():
+    offences = []
+    for name in FACADES:
+        path = PACKAGE.parent.joinpath(*name.split("."), "__init__.py")
+        for node in ast.parse(path.read_text()).body:
+            docstring = isinstance(node, ast.Expr) and isinstance(
+                node.value, ast.Constant
+            )
+            exports = isinstance(node, ast.Assign) and [
+                getattr(target, "id", None) for target in node.targets
+            ] == ["__all__"]
+            imports = isinstance(node, ast.ImportFrom) and (
+                node.module or ""
+            ).startswith("keras_hetero.")
+            if not (docstring or exports or imports):
+                offences.append(f"{name}: line {node.lineno}")
+    assert not offences, "code in a facade's __init__: " + ", ".join(offences)
+
+
+def test_an_import_runs_the_packages_above_it():
+    # `from keras_hetero.callbacks import base` in `balancing/rebalancer.py`
+    # runs `callbacks/__init__.py`, which imports the rebalancer: a loop.
+    assert _runs(
+        "keras_hetero.balancing.rebalancer", "keras_hetero.callbacks.base"
+    ) == {"keras_hetero.callbacks", "keras_hetero.callbacks.base"}
+    # Inside its own package, a module's packages are already running...
+    assert _runs(
+        "keras_hetero.checkpointing.callback",
+        "keras_hetero.checkpointing.storage",
+    ) == {"keras_hetero.checkpointing.storage"}
+    # ... but taking a name from one of them reads it half-initialised.
+    assert _runs(
+        "keras_hetero.checkpointing.callback", "keras_hetero.checkpointing"
+    ) == {"keras_hetero.checkpointing"}
 
 
 def test_cycle_finder_finds_a_cycle():

@@ -4,10 +4,10 @@ import logging
 
 import numpy as np
 
+from keras_hetero import _callback_protocol as base
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero.balancing import core as rebalance
-from keras_hetero.callbacks import base
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.training.clock_check import ClockCheck
 

@@ -1,9 +1,9 @@
 """keras-hetero's callbacks, and the protocol by which `HeteroModel.fit`
 prepares them (`HeteroCallback`, `FitContext`)."""
 
+from keras_hetero._callback_protocol import FitContext
+from keras_hetero._callback_protocol import HeteroCallback
 from keras_hetero.balancing.rebalancer import ShardRebalancer
-from keras_hetero.callbacks.base import FitContext
-from keras_hetero.callbacks.base import HeteroCallback
 from keras_hetero.checkpointing.callback import ElasticCheckpoint
 from keras_hetero.report.run_report import RunReport
 from keras_hetero.report.tensorboard import HeteroTensorBoard

@@ -10,11 +10,12 @@ import warnings
 
 import numpy as np
 
+from keras_hetero import _callback_protocol as base
 from keras_hetero import _compat
 from keras_hetero import _distribute
-from keras_hetero import checkpointing
 from keras_hetero._checks import check_int
-from keras_hetero.callbacks import base
+from keras_hetero.checkpointing import schedule
+from keras_hetero.checkpointing import storage
 from keras_hetero.data import reproducibility
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import mechanism_before_record
@@ -133,9 +134,9 @@ class ElasticCheckpoint(base.HeteroCallback):
         approximate_resume=False,
     ):
         super().__init__()
-        self.save_every = checkpointing.parse_save_every(save_every)
+        self.save_every = schedule.parse_save_every(save_every)
         check_int("keep", keep)
-        self.mtbf = checkpointing.parse_duration(mtbf, "mtbf")
+        self.mtbf = schedule.parse_duration(mtbf, "mtbf")
         if resize not in RESIZE:
             raise ValueError(
                 "Invalid value for argument `resize`. Received: "
@@ -314,7 +315,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             getattr(self._dataset, "next_pass", None),
             kwargs.get("initial_epoch", 0),
         )
-        found = checkpointing.newest_valid(self.directory)
+        found = storage.newest_valid(self.directory)
         if found is None:
             return lambda: None
         path, state = found
@@ -330,7 +331,7 @@ class ElasticCheckpoint(base.HeteroCallback):
                 f"({_shapes_text(names, shapes)}). Use a new `directory` for a "
                 "different model."
             )
-        arrays = checkpointing.read_arrays(path, state["tensors"])
+        arrays = storage.read_arrays(path, state["tensors"])
         for variable, array in zip(variables, arrays):
             variable.assign(array)
         self._restore_replica_state(
@@ -481,7 +482,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             )
         if self._chief:
             os.makedirs(self.directory, exist_ok=True)
-            checkpointing.remove_partial(self.directory)
+            storage.remove_partial(self.directory)
         self.preempted = False
         self._last_save_time = time.monotonic()
         self._install_signal_handlers()
@@ -675,7 +676,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         first save."""
         if self._cost is None:
             return None
-        return checkpointing.young_daly_interval(
+        return schedule.young_daly_interval(
             self._cost,
             self.mtbf,
             minimum=1.5 * (self._write_seconds or 0.0),
@@ -756,8 +757,8 @@ class ElasticCheckpoint(base.HeteroCallback):
         def write():
             write_started = time.perf_counter()
             try:
-                checkpointing.write(self.directory, step, arrays, state)
-                checkpointing.prune(self.directory, self.keep)
+                storage.write(self.directory, step, arrays, state)
+                storage.prune(self.directory, self.keep)
             except BaseException as error:  # surfaced on the main thread
                 with self._lock:
                     self._error = error

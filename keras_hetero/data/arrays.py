@@ -17,9 +17,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_hetero import _compat
+from keras_hetero._callback_protocol import HeteroCallback
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
-from keras_hetero.callbacks.base import HeteroCallback
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import check_seed
 

@@ -18,6 +18,10 @@ fixed-order dynamic program (which may skip devices) over a few starting
 orders (as given, fastest first, slowest first, most memory first),
 improved by swapping pairs of devices while the result improves.
 
+`partition` is the exact split over every device in the given order (the
+original planner's; `plan` keeps it whenever it is as good, and names each
+device's memory shortfall from it when nothing fits).
+
 With `device_costs` (measured seconds per layer on each device, as
 `kh.placement.profile` gives), a layer may be relatively faster on one
 device than on another: a stage on device `d` then takes
@@ -299,3 +303,127 @@ def _program(states, predecessors, kind_times, layers, combine, skip):
             kinds[state][better] = kind
             starts_of[state][better] = starts[picked[better]]
     return best, (came_from, kinds, starts_of)
+
+
+def partition(
+    costs,
+    memory,
+    input_seconds,
+    speeds,
+    capacity,
+    names=None,
+    device_costs=None,
+):
+    """The exact min-max split of a chain of layers over devices in order.
+
+    Pure Python: stage `d` runs layers `[start, end)` on device `d` and
+    takes `sum(costs[start:end]) / speeds[d] + input_seconds[start]`; its
+    memory is `sum(memory[start:end])`, at most `capacity[d]` (None = no
+    limit). Every device gets at least one layer.
+
+    Args:
+        costs: Seconds per layer on a speed-1.0 device.
+        memory: Bytes per layer.
+        input_seconds: Seconds to receive each layer's input from another
+            device (the first layer's is usually 0).
+        speeds: Relative speed per device.
+        capacity: Bytes per device, or None for no limit.
+        names: Device names for the error message. Defaults to `None`
+            (device indices).
+        device_costs: Seconds per layer on each device (a list per
+            device, e.g. measured by `profile`); given, they replace
+            `costs / speeds`. Defaults to `None`.
+
+    Returns:
+        `[(start, end), ...]`, one per device, minimising the largest stage
+        time (ties: the earliest split points).
+
+    Raises:
+        ValueError: If no split fits the memory; the message names, for the
+            split that needs the least extra memory in total, each device
+            that lacks memory and by how many bytes.
+
+    Example:
+
+    >>> partition([1, 1, 1, 1], [0] * 4, [0] * 4, [1, 1], [None, None])
+    [(0, 2), (2, 4)]
+    """
+    layers, devices = len(costs), len(speeds)
+    if device_costs is None:
+        device_costs = [costs] * devices
+    else:
+        speeds = [1.0] * devices
+    cost_sums = [
+        np.concatenate([[0.0], np.cumsum(c, dtype=float)]) for c in device_costs
+    ]
+    memory_sums = np.concatenate([[0.0], np.cumsum(memory, dtype=float)])
+
+    def stage_memory(start, end):
+        return memory_sums[end] - memory_sums[start]
+
+    def stage_time(device, start, end):
+        if capacity[device] is not None and (
+            stage_memory(start, end) > capacity[device]
+        ):
+            return math.inf
+        sums = cost_sums[device]
+        work = (sums[end] - sums[start]) / speeds[device]
+        return work + input_seconds[start]
+
+    bounds = _dynamic_program(layers, devices, stage_time, max)
+    if bounds is not None:
+        return bounds
+
+    def shortfall(device, start, end):
+        limit = capacity[device]
+        return (
+            0.0 if limit is None else max(0.0, stage_memory(start, end) - limit)
+        )
+
+    closest = _dynamic_program(layers, devices, shortfall, _add)
+    labels = names or [f"device {d}" for d in range(devices)]
+    short = [
+        f"{labels[d]} lacks {math.ceil(shortfall(d, s, e))} bytes (needs "
+        f"{int(stage_memory(s, e))}, has {int(capacity[d])})"
+        for d, (s, e) in enumerate(closest)
+        if shortfall(d, s, e) > 0
+    ]
+    raise ValueError(
+        "No split of the layers fits the devices' memory "
+        f"(device_memory={list(capacity)}). With the split that needs the "
+        f"least extra memory, {'; '.join(short)}. Add memory there, use "
+        "more devices, or shrink the batch or the model."
+    )
+
+
+def _dynamic_program(layers, devices, stage_value, combine):
+    """Split points minimising `combine` over stages of `stage_value(d, s, e)`.
+
+    Returns None when every split is infinite (infeasible).
+    """
+    best = np.full((devices + 1, layers + 1), math.inf)
+    choice = np.zeros((devices + 1, layers + 1), dtype=int)
+    best[0][0] = 0.0
+    for device in range(1, devices + 1):
+        # Every earlier device holds at least one layer, every later one too.
+        for end in range(device, layers - (devices - device) + 1):
+            for start in range(device - 1, end):
+                before = best[device - 1][start]
+                if before == math.inf:
+                    continue
+                value = combine(before, stage_value(device - 1, start, end))
+                if value < best[device][end]:
+                    best[device][end] = value
+                    choice[device][end] = start
+    if best[devices][layers] == math.inf:
+        return None
+    bounds, end = [], layers
+    for device in range(devices, 0, -1):
+        start = int(choice[device][end])
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def _add(a, b):
+    return a + b

@@ -5,9 +5,11 @@ import time
 import numpy as np
 
 from keras_hetero import _distribute
-from keras_hetero import report
 from keras_hetero._checks import check_int
+from keras_hetero.report import figure
+from keras_hetero.report import page
 from keras_hetero.report import sources as _sources
+from keras_hetero.report.records import Records
 
 
 class RunReport(_sources.Observer):
@@ -48,7 +50,7 @@ class RunReport(_sources.Observer):
 
     def __init__(self, directory, every_n_steps=1):
         super().__init__()
-        report._matplotlib()  # fail before training, not after it
+        figure.matplotlib_classes()  # fail before training, not after it
         check_int("every_n_steps", every_n_steps)
         self.directory = directory
         self.every_n_steps = every_n_steps
@@ -91,7 +93,7 @@ class RunReport(_sources.Observer):
             return
         sources = self._sources
         sources.poll(self._last_step)  # ElasticCheckpoint's final save
-        self.records = report.Records(
+        self.records = Records(
             steps=np.asarray(self._steps, np.int64),
             rows=np.asarray(self._rows, np.float64),
             compute_seconds=np.asarray(self._seconds, np.float64),
@@ -106,4 +108,4 @@ class RunReport(_sources.Observer):
                 else None
             ),
         )
-        self.files = report.write(self.records, self.directory)
+        self.files = page.write(self.records, self.directory)

@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 
+from keras_hetero import _callback_protocol as base
 from keras_hetero.balancing.rebalancer import ShardRebalancer
-from keras_hetero.callbacks import base
 from keras_hetero.checkpointing.callback import ElasticCheckpoint
 from keras_hetero.stragglers.detector import StragglerDetector
 

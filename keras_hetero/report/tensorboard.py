@@ -5,9 +5,9 @@ import os
 import numpy as np
 
 from keras_hetero import _distribute
+from keras_hetero import _scalar_writer as writer
 from keras_hetero._checks import check_int
 from keras_hetero.report import sources as _sources
-from keras_hetero.report import writer
 
 
 class HeteroTensorBoard(_sources.Observer):
