@@ -13,6 +13,7 @@ import numpy as np
 from keras_hetero import _callback_protocol as base
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero._checks import check_choice
 from keras_hetero._checks import check_int
 from keras_hetero.checkpointing import schedule
 from keras_hetero.checkpointing import storage
@@ -137,12 +138,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         self.save_every = schedule.parse_save_every(save_every)
         check_int("keep", keep)
         self.mtbf = schedule.parse_duration(mtbf, "mtbf")
-        if resize not in RESIZE:
-            raise ValueError(
-                "Invalid value for argument `resize`. Received: "
-                f"resize={resize!r}. Expected one of {RESIZE}."
-            )
-        self.resize = resize
+        self.resize = check_choice("resize", resize, RESIZE)
         self.directory = os.fspath(directory)
         self.keep = keep
         self.async_save = bool(async_save)

@@ -19,13 +19,13 @@ The package: `report` (the frozen result values and the pure decisions),
 
 import dataclasses
 import math
-import numbers
 
 import tensorflow as tf
 
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import precision as precision_lib
+from keras_hetero._checks import check_positive
 from keras_hetero.doctor import cluster as cluster_lib
 from keras_hetero.doctor import devices as devices_lib
 from keras_hetero.doctor import host as host_lib
@@ -117,7 +117,9 @@ def doctor(
     (0.5, 0.5)
     >>> print(report.table())  # doctest: +SKIP
     """
-    timeout = _check_timeout(timeout)
+    timeout = check_positive(
+        "timeout", timeout, expected="a positive number of seconds"
+    )
     if batch is not None and model is None:
         raise ValueError(
             "Invalid value for argument `batch`. Received: a batch with "
@@ -194,20 +196,6 @@ def _timed_devices(names, host):
         )
         for name, (flops, size), speed in zip(names, timings, relative)
     ]
-
-
-def _check_timeout(timeout):
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, numbers.Real)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ValueError(
-            "Invalid value for argument `timeout`. Received: "
-            f"timeout={timeout!r}. Expected a positive number of seconds."
-        )
-    return float(timeout)
 
 
 def _check_collective(parsed):

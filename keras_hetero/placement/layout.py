@@ -283,15 +283,9 @@ def plan_layout(
     >>> choice.best.kind, choice.best.step_seconds
     """
     entries = _cluster(cluster)
-    if (
-        isinstance(microbatches, bool)
-        or not isinstance(microbatches, int)
-        or microbatches < 1
-    ):
-        raise ValueError(
-            "Invalid value for argument `microbatches`. Received: "
-            f"microbatches={microbatches!r}. Expected a positive integer."
-        )
+    microbatches = check_int(
+        "microbatches", microbatches, expected="a positive integer"
+    )
     chain = layers_lib.chain_with_outputs(model)
     names = [layer.name for layer, _ in chain]
     measured = costs_lib.checked_profiles(profile, names, len(entries))

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from keras_hetero import layers as layers_lib
+from keras_hetero._checks import check_choice
 from keras_hetero.layers import chain_layers
 from keras_hetero.placement import costs as costs_lib
 from keras_hetero.placement import search as search_lib
@@ -283,11 +284,12 @@ def plan(
     layers = [layer for layer, _ in chain]
     names = [layer.name for layer in layers]
     devices = list(devices)
-    if method not in ("auto", "exact", "local"):
-        raise ValueError(
-            "Invalid value for argument `method`. Received: "
-            f'method={method!r}. Expected "auto", "exact" or "local".'
-        )
+    check_choice(
+        "method",
+        method,
+        ("auto", "exact", "local"),
+        expected='"auto", "exact" or "local"',
+    )
     if not devices or (use_all_devices and len(devices) > len(layers)):
         raise ValueError(
             f"Invalid value for argument `devices`. Received: "

@@ -21,6 +21,8 @@ import threading
 import time
 import uuid
 
+from keras_hetero._checks import check_int
+
 _SUBNET_BASE = "10.77"
 _BRIDGE_HOST = 254
 
@@ -91,15 +93,7 @@ class NetworkHosts:
     """
 
     def __init__(self, hosts, *, relayed=()):
-        if (
-            isinstance(hosts, bool)
-            or not isinstance(hosts, int)
-            or not (1 <= hosts <= 200)
-        ):
-            raise ValueError(
-                "Invalid value for argument `hosts`. Received: "
-                f"hosts={hosts!r}. Expected an integer in [1, 200]."
-            )
+        hosts = check_int("hosts", hosts, 1, maximum=200)
         relayed = tuple(relayed)
         bad = [h for h in relayed if h not in range(hosts)]
         if bad:

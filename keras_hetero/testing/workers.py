@@ -11,6 +11,8 @@ import time
 import traceback
 import uuid
 
+from keras_hetero._checks import check_choice
+from keras_hetero._checks import check_int
 from keras_hetero.launcher import free_ports
 from keras_hetero.testing import cpu_quota
 
@@ -215,22 +217,16 @@ def run_workers(
     ...     my_training_function, 2, cpu_quotas=[1.0, 0.3], cores="auto"
     ... )
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-        raise ValueError(
-            f"Invalid value for argument `num_workers`. Received: "
-            f"num_workers={num_workers!r}. Expected a positive integer."
-        )
-    if num_workers < 1:
-        raise ValueError(
-            f"Invalid value for argument `num_workers`. Received: "
-            f"num_workers={num_workers!r}. Expected a positive integer."
-        )
+    num_workers = check_int(
+        "num_workers", num_workers, expected="a positive integer"
+    )
     core_sets = _core_sets(cores, num_workers)
-    if throttle not in ("process", "compute"):
-        raise ValueError(
-            "Invalid value for argument `throttle`. Received: "
-            f'throttle={throttle!r}. Expected "process" or "compute".'
-        )
+    check_choice(
+        "throttle",
+        throttle,
+        ("process", "compute"),
+        expected='"process" or "compute"',
+    )
     context = _context()
     environ = dict(os.environ)
     made = []  # the groups this call makes, and removes
