@@ -1,8 +1,13 @@
-"""`keras-hetero run`: start N local workers, restart the group on failure.
+"""`keras-hetero run`: start workers, restart the group on failure.
 
-`launch` (in `group.py`) starts and restarts the worker group; `cli.py` is
-the command line (`keras-hetero run`, `python -m keras_hetero.run`);
-`ports.py` finds free loopback ports (also for `kh.testing.run_workers`).
+`launch` (in `group.py`) starts and restarts N workers on one machine;
+`launch_host` (in `hosts.py`) is one host's part of a multi-host job
+(`--nnodes`), whose rank-0 launcher serves the rendezvous
+(`rendezvous.py`); `policy.py` holds its decisions as pure functions and
+`devices.py` finds each host's GPUs for `--workers-per-host auto`.
+`cli.py` is the command line (`keras-hetero run`, `python -m
+keras_hetero.run`); `ports.py` finds free ports (also for
+`kh.testing.run_workers`).
 """
 
 from keras_hetero.launcher.cli import main as main
@@ -14,4 +19,6 @@ from keras_hetero.launcher.group import Attempt as Attempt
 from keras_hetero.launcher.group import LaunchResult as LaunchResult
 from keras_hetero.launcher.group import launch as launch
 from keras_hetero.launcher.group import lost_workers as lost_workers
+from keras_hetero.launcher.hosts import launch_host as launch_host
 from keras_hetero.launcher.ports import free_ports as free_ports
+from keras_hetero.launcher.rendezvous import TOKEN_ENV as TOKEN_ENV

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from keras_hetero.launcher import group
+from keras_hetero.launcher import hosts
+from keras_hetero.launcher import rendezvous
 
 
 def main(argv=None):
@@ -19,9 +21,9 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run",
-        help="start N workers with TF_CONFIG on 127.0.0.1 and restart them "
-        "on failure",
-        description=group.__doc__,
+        help="start N workers with TF_CONFIG on 127.0.0.1 (or on several "
+        "hosts: --nnodes) and restart them on failure",
+        description=_RUN_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(run)
@@ -45,18 +47,111 @@ def run_main(argv=None):
     """`python -m keras_hetero.run ...` (the `run` arguments only)."""
     parser = argparse.ArgumentParser(
         prog="python -m keras_hetero.run",
-        description=group.__doc__,
+        description=_RUN_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(parser)
     return _launch_from_arguments(parser.parse_args(argv))
 
 
+_RUN_DESCRIPTION = (
+    group.__doc__
+    + """
+Several hosts: run the same command on every host, each with its own
+--node-rank; the launcher with --node-rank 0 serves the rendezvous. On two
+machines, 10.0.0.1 being the first one's address:
+
+    export KERAS_HETERO_RDZV_TOKEN=...   # the same secret on every host
+    keras-hetero run --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 \\
+        --rdzv-bind 10.0.0.1 --workers-per-host auto train.py
+    keras-hetero run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29400 \\
+        --workers-per-host auto train.py
+
+See docs/launcher.md.
+"""
+)
+
+
 def _add_run_arguments(parser):
-    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers on this machine (one host; not with --nnodes)",
+    )
     parser.add_argument("--max-restarts", type=int, default=3)
-    parser.add_argument("--min-workers", type=int, default=None)
+    parser.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
+        help="with --workers: restart with the survivors, down to M",
+    )
     parser.add_argument("--grace-seconds", type=float, default=30.0)
+    several = parser.add_argument_group(
+        "several hosts (the same command on each)"
+    )
+    several.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="hosts in the job: N, or MIN:MAX to continue with as few as "
+        "MIN hosts and admit up to MAX",
+    )
+    several.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's rank in [0, MAX); rank 0 serves the rendezvous",
+    )
+    several.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="the rendezvous: an address of rank 0's host that every host "
+        "reaches",
+    )
+    several.add_argument(
+        "--rdzv-bind",
+        default=None,
+        metavar="ADDRESS",
+        help="rank 0: the local address the rendezvous listens on (default: "
+        "loopback, for a job on one machine)",
+    )
+    several.add_argument(
+        "--rdzv-token-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the shared secret (default: the "
+        "KERAS_HETERO_RDZV_TOKEN environment variable)",
+    )
+    several.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the hosts (default 300)",
+    )
+    several.add_argument(
+        "--rdzv-last-call",
+        type=float,
+        default=10.0,
+        help="seconds without a new host before a group of fewer than MAX "
+        "starts, or restarts to admit one (default 10)",
+    )
+    several.add_argument(
+        "--workers-per-host",
+        default=None,
+        metavar="K|auto",
+        help="workers on this host: K (sharing its GPUs evenly) or auto "
+        "(one per GPU; one without GPUs); default 1",
+    )
+    several.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        metavar="N",
+        help="assume N GPUs on this host instead of asking nvidia-smi "
+        "(0: none; for tests and odd drivers)",
+    )
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -123,16 +218,89 @@ def _doctor_from_arguments(args):
     return 0
 
 
+_HOST_FLAGS = (
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_bind",
+    "rdzv_token_file",
+    "workers_per_host",
+    "devices_per_host",
+)
+
+
 def _launch_from_arguments(args):
+    command = [sys.executable, args.script, *args.script_args]
     try:
-        result = group.launch(
-            [sys.executable, args.script, *args.script_args],
-            args.workers,
-            max_restarts=args.max_restarts,
-            min_workers=args.min_workers,
-            grace_seconds=args.grace_seconds,
-        )
+        if args.nnodes is None:
+            _check_single_host(args)
+            result = group.launch(
+                command,
+                args.workers,
+                max_restarts=args.max_restarts,
+                min_workers=args.min_workers,
+                grace_seconds=args.grace_seconds,
+            )
+        else:
+            _check_multi_host(args)
+            result = hosts.launch_host(
+                command,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                rdzv_endpoint=args.rdzv_endpoint,
+                rdzv_token=rendezvous.read_token(
+                    token_file=args.rdzv_token_file
+                ),
+                rdzv_bind=args.rdzv_bind,
+                rdzv_timeout=args.rdzv_timeout,
+                rdzv_last_call=args.rdzv_last_call,
+                workers_per_host=args.workers_per_host or 1,
+                devices_per_host=args.devices_per_host,
+                max_restarts=args.max_restarts,
+                grace_seconds=args.grace_seconds,
+            )
     except ValueError as error:
         print(f"keras-hetero: {error}", file=sys.stderr)
         return 2
+    except (TimeoutError, ConnectionError) as error:
+        print(f"keras-hetero: {error}", file=sys.stderr)
+        return 1
     return result.exit_code
+
+
+def _check_single_host(args):
+    if args.workers is None:
+        raise ValueError(
+            "keras-hetero run needs --workers N (this machine) or --nnodes "
+            "N with --node-rank and --rdzv-endpoint (several hosts)."
+        )
+    given = [
+        "--" + name.replace("_", "-")
+        for name in _HOST_FLAGS
+        if getattr(args, name) is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} need --nnodes (several hosts); with "
+            "--workers the job runs on this machine only."
+        )
+
+
+def _check_multi_host(args):
+    if args.workers is not None or args.min_workers is not None:
+        raise ValueError(
+            "--workers and --min-workers are for one machine; with --nnodes "
+            "use --workers-per-host K|auto and --nnodes MIN:MAX."
+        )
+    missing = [
+        flag
+        for flag, value in (
+            ("--node-rank", args.node_rank),
+            ("--rdzv-endpoint", args.rdzv_endpoint),
+        )
+        if value is None
+    ]
+    if missing:
+        raise ValueError(
+            f"--nnodes needs {' and '.join(missing)} (the same command on "
+            "every host, each with its own --node-rank)."
+        )

@@ -265,7 +265,7 @@ class _Group:
         self.grace_seconds = grace_seconds
         self.interrupted = None
         self.processes = []
-        self._lock = threading.Lock()
+        self._readers = []
 
     def interrupt(self, number, frame):
         if self.interrupted is not None:
@@ -292,22 +292,41 @@ class _Group:
         else:
             addresses = list(_addresses(self.hosts, live, restart))
             where = f"at {addresses}"
-        cluster = {"worker": addresses}
-        self.processes, readers = [], []
         reports = tempfile.mkdtemp(prefix="keras_hetero_hang_")
+        workers = []
         for index in range(count):
-            env = dict(os.environ)
-            env.update(extra_env)
-            env["TF_CONFIG"] = json.dumps(
-                {"cluster": cluster, "task": {"type": "worker", "index": index}}
-            )
-            env[RESTART_ENV] = str(restart)
-            env[NUM_WORKERS_ENV] = str(count)
+            env = worker_env(extra_env, addresses, index, restart)
             env[HANG_REPORT_ENV] = os.path.join(reports, f"worker{index}.json")
-            env.setdefault("PYTHONUNBUFFERED", "1")
             argv = list(command)
             if self.hosts is not None:
                 argv = list(self.hosts.command(live[index], argv))
+            workers.append((index, argv, env))
+        self.start(workers)
+        _say(
+            self.output,
+            f"[launcher] attempt {restart}: {count} worker(s) {where}",
+        )
+        failed = []
+        while True:
+            codes = self.poll()
+            failed = [
+                i for i, c in enumerate(codes) if c is not None and c != 0
+            ]
+            if failed or all(c is not None for c in codes):
+                break
+            if self.interrupted is not None:
+                break
+            time.sleep(0.05)
+        if failed or self.interrupted is not None:
+            self._terminate_all()
+        codes = self.reap()
+        return codes, failed, _read_reports(reports, count)
+
+    def start(self, workers):
+        """Starts `workers`, a list of `(index, argv, env)`; their output
+        lines are prefixed with `[worker index]`."""
+        self.processes, self._readers = [], []
+        for index, argv, env in workers:
             process = subprocess.Popen(
                 argv,
                 env=env,
@@ -321,28 +340,18 @@ class _Group:
                 target=self._relay, args=(index, process), daemon=True
             )
             reader.start()
-            readers.append(reader)
-        _say(
-            self.output,
-            f"[launcher] attempt {restart}: {count} worker(s) {where}",
-        )
-        failed = []
-        while True:
-            codes = [p.poll() for p in self.processes]
-            failed = [
-                i for i, c in enumerate(codes) if c is not None and c != 0
-            ]
-            if failed or all(c is not None for c in codes):
-                break
-            if self.interrupted is not None:
-                break
-            time.sleep(0.05)
-        if failed or self.interrupted is not None:
-            self._terminate_all()
+            self._readers.append(reader)
+
+    def poll(self):
+        """Each worker's exit status, None while it runs."""
+        return [p.poll() for p in self.processes]
+
+    def reap(self):
+        """Waits for every worker; returns their exit statuses."""
         codes = [p.wait() for p in self.processes]
-        for reader in readers:
+        for reader in self._readers:
             reader.join(timeout=5)
-        return codes, failed, _read_reports(reports, count)
+        return codes
 
     def _relay(self, index, process):
         for raw in iter(process.stdout.readline, b""):
@@ -385,6 +394,23 @@ def _say(output, line):
 
 def _status(code):
     return 128 - code if code < 0 else code
+
+
+def worker_env(extra_env, addresses, index, restart):
+    """A worker's environment: this process's, `extra_env`, `TF_CONFIG`
+    for task `index` of a cluster of `addresses`, and the restart count."""
+    env = dict(os.environ)
+    env.update(extra_env)
+    env["TF_CONFIG"] = json.dumps(
+        {
+            "cluster": {"worker": list(addresses)},
+            "task": {"type": "worker", "index": index},
+        }
+    )
+    env[RESTART_ENV] = str(restart)
+    env[NUM_WORKERS_ENV] = str(len(addresses))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
 
 
 def _addresses(hosts, live, restart):

@@ -15,6 +15,7 @@ context manager on failure).
 import atexit
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -69,9 +70,9 @@ def network_available():
 class NetworkHosts:
     """`hosts` worker hosts in network namespaces on one bridge.
 
-    Test infrastructure: the fault methods (`cut`, `restore`, `flap`,
-    `slow`) act on the running job from the test. Use it as a context
-    manager (or call `close()`); it is also a `hosts=` for
+    Test infrastructure: the fault methods (`cut`, `restore`, `kill`,
+    `flap`, `slow`) act on the running job from the test. Use it as a
+    context manager (or call `close()`); it is also a `hosts=` for
     `kh.launcher.launch`, which then starts worker `i` in host `i`'s
     namespace with a `TF_CONFIG` of these addresses.
 
@@ -180,6 +181,28 @@ class NetworkHosts:
     def restore(self, host):
         """Brings host `host`'s link back up."""
         _ip("link", "set", self._veth(host), "up")
+
+    def pids(self, host):
+        """The ids of the processes in host `host`'s namespace."""
+        listed = _ip("netns", "pids", self.namespaces[host], check=False)
+        return [int(pid) for pid in listed.split()]
+
+    def kill(self, host):
+        """SIGKILLs every process in host `host`'s namespace: the host
+        crashed. The kernel closes their sockets, so peers see their
+        connections end (a host that lost power would also be `cut`).
+
+        Returns:
+            The ids of the processes killed.
+        """
+        killed = []
+        for pid in self.pids(host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        return killed
 
     def flap(self, host, down, up, times):
         """In the background: `times` times, cut host `host` for `down`
