@@ -1,11 +1,19 @@
-"""Shared pieces of the benchmarks: models, synthetic data, tables.
+"""Shared pieces of the benchmarks: the command line, models, synthetic
+data, strategies, alternating rounds and tables.
 
 Three model kinds, each small enough for a 2-core machine and each a shape
 users train: an MLP, a small ResNet on CIFAR-shaped images and a small
 Transformer encoder on token sequences. The data is generated (no dataset
 downloads); labels are 10 classes.
+
+Every script reads its command line with `smoke_parser` and `parse_args`,
+so each has `--smoke`: tiny sizes, one or two rounds, the same tables, in
+seconds. `make bench-smoke` runs them all (as CI does), so a script that no
+longer runs fails there rather than when someone next measures; its figures
+mean nothing.
 """
 
+import argparse
 import datetime
 import os
 
@@ -14,6 +22,33 @@ import numpy as np
 MODELS = ("mlp", "resnet", "transformer")
 # Global batch per model: steps of tens of milliseconds on one core.
 GLOBAL_BATCH = {"mlp": 1024, "resnet": 64, "transformer": 128}
+# The per-step cost benchmarks' MLP batch (overhead.py, interleaved.py,
+# step_ops.py, split_pipeline.py): steps of a few milliseconds, where the
+# host's work per step shows.
+STEP_COST_BATCH = 256
+
+
+def smoke_parser(description):
+    """An `argparse.ArgumentParser` with `--smoke`; read it with
+    `parse_args`, which applies the script's smoke sizes."""
+    result = argparse.ArgumentParser(description=description)
+    result.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes and few rounds, in seconds: checks that the script "
+        "runs (make bench-smoke); its figures mean nothing",
+    )
+    return result
+
+
+def parse_args(parser, **smoke):
+    """The command line's arguments; under `--smoke` the `smoke` values
+    replace the defaults (options given on the command line still win, so
+    `--smoke --workers 2` smoke-tests the multi-worker path)."""
+    known, _ = parser.parse_known_args()
+    if known.smoke:
+        parser.set_defaults(**smoke)
+    return parser.parse_args()
 
 
 def build_model(kind, model_class, *, width=256):
@@ -76,6 +111,21 @@ def compile_model(model, steps_per_execution=1, metrics=None):
     return model
 
 
+def compiled_model(
+    kind,
+    model_class,
+    strategy,
+    *,
+    width=256,
+    steps_per_execution=1,
+    metrics=None,
+):
+    """`build_model` and `compile_model` under `strategy`'s scope."""
+    with strategy.scope():
+        model = build_model(kind, model_class, width=width)
+        return compile_model(model, steps_per_execution, metrics)
+
+
 def examples(kind, rows, seed=0):
     """`(x, y)` numpy arrays of `rows` synthetic examples for `kind`."""
     rng = np.random.default_rng(seed)
@@ -91,6 +141,78 @@ def examples(kind, rows, seed=0):
     return x, y
 
 
+def equal_split_batch(replicas, batch=STEP_COST_BATCH):
+    """`batch`, or the multiple of `replicas` below it: stock Keras 3 needs
+    a global batch that splits equally."""
+    return batch - batch % replicas
+
+
+def stock_runs(strategy, steps_per_execution):
+    """Whether stock `keras.Model.fit` works here (docs/strategies.md).
+
+    Stock Keras 3 cannot fit under MultiWorkerMirroredStrategy, nor with
+    `steps_per_execution > 1` under any strategy with several replicas.
+    """
+    import tensorflow as tf
+
+    import keras_hetero as kh
+
+    return kh.FLAVOUR == "tf-keras" or not (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        or steps_per_execution > 1
+    )
+
+
+def where(workers, replicas):
+    """The strategy, as the tables' titles name it."""
+    if workers:
+        return (
+            f"MultiWorkerMirroredStrategy, {workers} worker processes "
+            "(1 logical CPU each, 127.0.0.1)"
+        )
+    return f"MirroredStrategy on {replicas} logical CPUs"
+
+
+def mwms_strategy():
+    """In a worker process: one logical CPU, MultiWorkerMirroredStrategy."""
+    import keras_hetero as kh
+
+    kh.testing.logical_cpus(1)
+    import tensorflow as tf
+
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def lines_on(workers, replicas, table, args, worker, timeout=590):
+    """`table(strategy, *args)`'s lines: with `workers`, worker 0's
+    `worker(*args)` in that many worker processes (which build their
+    strategy with `mwms_strategy`, and are stopped after `timeout`
+    seconds); else under MirroredStrategy on `replicas` logical CPUs of
+    this process."""
+    import keras_hetero as kh
+
+    if workers:
+        results = kh.testing.run_workers(
+            worker, workers, timeout=timeout, args=args
+        )
+        return results[0].value
+    devices = kh.testing.logical_cpus(replicas)
+    return table(kh.testing.mirrored(devices), *args)
+
+
+def round_order(names, number):
+    """The runs of round `number` in turn: every other round reversed, so
+    no run keeps the position after another (a bias of its own)."""
+    return list(names) if number % 2 == 0 else list(names)[::-1]
+
+
+def quartiles(values):
+    """The 25th and 75th percentiles of `values`: the spread of the rounds'
+    ratios to the baseline. A difference between two rows smaller than
+    this is not resolved by the run (the A/A row shows it for stock)."""
+    return tuple(float(q) for q in np.percentile(values, [25, 75]))
+
+
 def header(title, details):
     """The first line every benchmark prints: what, when, on what."""
     import keras_hetero as kh
@@ -101,6 +223,11 @@ def header(title, details):
         f"{details}, load average at start {load:.1f} on "
         f"{os.cpu_count()} cores"
     )
+
+
+def load_at_end():
+    """The last line of a benchmark's output."""
+    return f"load average at end {os.getloadavg()[0]:.1f}"
 
 
 def markdown_table(columns, rows):

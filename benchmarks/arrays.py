@@ -27,7 +27,6 @@ class (the input path's own cost).
 Run: `python benchmarks/arrays.py` (about 3 minutes on 2 cores).
 """
 
-import argparse
 import datetime
 import os
 import time
@@ -35,6 +34,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 from keras_hetero import keras  # noqa: E402
@@ -74,12 +75,12 @@ def measure(model, x, y, batch, via):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--rows", type=int, default=32_768)
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(parser, rows=2048, features=16, rounds=1)
     mirrored = kh.testing.mirrored(kh.testing.logical_cpus(2))
     import tensorflow as tf
 

@@ -8,11 +8,12 @@ TensorFlow, no devices. Run: `python benchmarks/clock_check.py`
 (`--smoke`: 8 and 64 replicas).
 """
 
-import argparse
 import time
 
 import numpy as np
 from _harness import markdown_table
+from _harness import parse_args
+from _harness import smoke_parser
 
 from keras_hetero.training.clock_check import ClockCheck
 
@@ -35,12 +36,13 @@ def measure(replicas, steps=200):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
-    sizes = [8, 64] if args.smoke else [8, 64, 256, 1024, 4096]
+    parser = smoke_parser(__doc__)
+    parser.add_argument(
+        "--replicas", type=int, nargs="+", default=[8, 64, 256, 1024, 4096]
+    )
+    args = parse_args(parser, replicas=[8, 64])
     rows = []
-    for replicas in sizes:
+    for replicas in args.replicas:
         median, worst = measure(replicas)
         rows.append([replicas, f"{median:.3f}", f"{worst:.2f}"])
     print(

@@ -46,7 +46,6 @@ which also checks that the resumed pass's first batch is the normal pass's
 examples k, k+1, ...; medians over `--rounds` rounds.
 """
 
-import argparse
 import datetime
 import os
 import shutil
@@ -56,6 +55,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
@@ -279,6 +280,7 @@ def check_resumed_order(name, make, batch, skip):
 
 
 def shuffle_main(args):
+    rounds = args.rounds or 3
     rows = args.shuffle_rows
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, SHUFFLE_FEATURES)).astype("float32")
@@ -293,7 +295,7 @@ def shuffle_main(args):
             check_resumed_order(name, make, args.batch, skip)
         measures = ("pass", "first", "first resumed")
         seconds = {name: {m: [] for m in measures} for name in variants}
-        for round_index in range(args.rounds + 1):  # round 0: warm-up
+        for round_index in range(rounds + 1):  # round 0: warm-up
             for name, make in variants.items():
                 times = {
                     "pass": pass_seconds(make, args.batch),
@@ -317,7 +319,7 @@ def shuffle_main(args):
         f"flavour {kh.FLAVOUR}, {rows} examples of {SHUFFLE_FEATURES} float32 "
         f"features + 1 label (Parquet: {args.files} files, row groups of "
         f"{GROUP_ROWS}), global batch {args.batch}, default strategy (one "
-        f"replica), no model, medians of {args.rounds} alternating rounds "
+        f"replica), no model, medians of {rounds} alternating rounds "
         "(2 CPU cores)"
     )
     print()
@@ -337,27 +339,8 @@ def shuffle_main(args):
         )
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--mode",
-        choices=("sources", "shuffle"),
-        default="sources",
-        help="sources: throughput per source; shuffle: shuffled vs "
-        "unshuffled throughput and the cost of resuming mid-epoch",
-    )
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--shuffle-rows", type=int, default=1_000_000)
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--files", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    if args.mode == "shuffle":
-        args.rounds = args.rounds or 3
-        shuffle_main(args)
-        return
-    args.rounds = args.rounds or 7
+def sources_main(args):
+    rounds = args.rounds or 7
     strategy = kh.testing.mirrored(kh.testing.logical_cpus(2))
 
     x, y = make_arrays(args.rows, args.features)
@@ -371,7 +354,7 @@ def main():
         cases = sources(x, y, parquet_directory, tfrecord_paths)
         models = {name: build(strategy, args.features) for name in cases}
         seconds = {name: {"pipeline": [], "fit": []} for name in cases}
-        for round_index in range(args.rounds + 1):  # round 0: warm-up
+        for round_index in range(rounds + 1):  # round 0: warm-up
             for name, (make, parse) in cases.items():
                 pipeline = pipeline_seconds(make, parse, args.batch)
                 fit = fit_step_seconds(
@@ -396,7 +379,7 @@ def main():
         f"{kh.FLAVOUR}, {args.rows} examples of {args.features} float32 "
         f"features + 1 label in {args.files} files, global batch "
         f"{args.batch}, MirroredStrategy on 2 logical CPUs (2 CPU cores), "
-        f"medians of {args.rounds} alternating rounds"
+        f"medians of {rounds} alternating rounds"
     )
     print()
     print(
@@ -410,6 +393,40 @@ def main():
             f"{rate['pipeline'] / memory['pipeline']:.2f} | "
             f"{rate['fit']:,.0f} | {rate['fit'] / memory['fit']:.2f} |"
         )
+
+
+def main():
+    parser = smoke_parser(__doc__)
+    parser.add_argument(
+        "--mode",
+        choices=("sources", "shuffle", "both"),
+        default="sources",
+        help="sources: throughput per source; shuffle: shuffled vs "
+        "unshuffled throughput and the cost of resuming mid-epoch; both: "
+        "one, then the other (--smoke's default)",
+    )
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--shuffle-rows", type=int, default=1_000_000)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parse_args(
+        parser,
+        mode="both",
+        rows=4096,
+        shuffle_rows=4096,
+        features=8,
+        files=2,
+        batch=256,
+        rounds=1,
+    )
+    if args.mode in ("sources", "both"):
+        sources_main(args)
+    if args.mode == "both":
+        print()
+    if args.mode in ("shuffle", "both"):
+        shuffle_main(args)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,7 @@ replayed input; its variants on Keras' own split, "Keras' input split" and
 "all four off", run live on stock's input, against live stock).
 """
 
-import argparse
 import contextlib
-import datetime
 import os
 import time
 
@@ -44,52 +42,51 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 from _harness import GLOBAL_BATCH  # noqa: E402
-from _harness import build_model  # noqa: E402
-from _harness import compile_model  # noqa: E402
+from _harness import STEP_COST_BATCH  # noqa: E402
+from _harness import compiled_model  # noqa: E402
+from _harness import equal_split_batch  # noqa: E402
 from _harness import examples as examples_of  # noqa: E402
-from overhead import PROFILE  # noqa: E402
-from overhead import _all_off  # noqa: E402
-from overhead import _pipeline_then  # noqa: E402
-from overhead import build  # noqa: E402
-from overhead import global_batch  # noqa: E402
-from overhead import lines_on  # noqa: E402
-from overhead import mwms_strategy  # noqa: E402
-from overhead import stock_runs  # noqa: E402
-from overhead import where  # noqa: E402
+from _harness import header  # noqa: E402
+from _harness import lines_on  # noqa: E402
+from _harness import load_at_end  # noqa: E402
+from _harness import mwms_strategy  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import quartiles  # noqa: E402
+from _harness import round_order  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
+from _harness import stock_runs  # noqa: E402
+from _harness import where  # noqa: E402
+from _step_variants import PROFILE  # noqa: E402
+from _step_variants import all_off  # noqa: E402
+from _step_variants import pipeline_then  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
-EXAMPLE_BATCHES = 64  # distinct global batches; the input repeats them
 
-
-def _runs(strategy, width, steps, profile):
+def _runs(strategy, width, steps, profile, distinct_batches):
     """name -> (model, distributed dataset, patch while tracing, baseline).
 
     `width`: the MLP's hidden width, or a model kind of `_harness` ("resnet",
-    "transformer") at its own global batch.
+    "transformer") at its own global batch. The input repeats
+    `distinct_batches` global batches.
     """
     import tensorflow as tf
 
-    rng = np.random.default_rng(0)
     replicas = strategy.num_replicas_in_sync
     kind = width if isinstance(width, str) else "mlp"
-    if kind == "mlp":
-        batch = global_batch(replicas)
-        rows = batch * EXAMPLE_BATCHES
-        x = rng.normal(size=(rows, 64)).astype("float32")
-        y = rng.integers(0, 10, size=(rows,)).astype("int32")
-    else:
-        batch = GLOBAL_BATCH[kind] - GLOBAL_BATCH[kind] % replicas
-        x, y = examples_of(kind, batch * EXAMPLE_BATCHES)
-    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    full_batch = STEP_COST_BATCH if kind == "mlp" else GLOBAL_BATCH[kind]
+    batch = equal_split_batch(replicas, full_batch)
+    examples = tf.data.Dataset.from_tensor_slices(
+        examples_of(kind, batch * distinct_batches)
+    )
     # Inputs of known, finite length, as a user's epochs are: whether the
     # distributed iterator reads through an Optional (partial last batch)
     # depends on it, and that costs stock ops per step. tf-keras' `fit`
     # repeats a kh.data.shard dataset (its steps counted per epoch).
-    passes = steps // EXAMPLE_BATCHES + 2
+    passes = steps // distinct_batches + 2
     stock_class, bare = kh.keras.Model, None
     if not stock_runs(strategy, 1):
-        stock_class, bare = kh.HeteroModel, _all_off
+        stock_class, bare = kh.HeteroModel, all_off
     repeats = kh.FLAVOUR == "tf-keras"
 
     def stock_input(replayed=False):
@@ -122,18 +119,19 @@ def _runs(strategy, width, steps, profile):
             return data.as_distributed_dataset(repeat=repeats)
         # One pass split, kept in memory, then replayed.
         data = kh.data.shard(examples, batch, strategy=strategy)
-        with _pipeline_then(
+        with pipeline_then(
             lambda dataset: dataset.cache().repeat(None if repeats else passes)
         ):
             return data.as_distributed_dataset()
 
     def model_of(model_class):
-        if kind == "mlp":
-            return build(model_class, strategy, width, 1)
-        with strategy.scope():
-            return compile_model(
-                build_model(kind, model_class), metrics=["accuracy"]
-            )
+        return compiled_model(
+            kind,
+            model_class,
+            strategy,
+            width=width if kind == "mlp" else 256,
+            metrics=["accuracy"],
+        )
 
     def stock_model():
         return model_of(stock_class)
@@ -198,10 +196,10 @@ def _step(function, iterator):
     return time.perf_counter() - started
 
 
-def measure(strategy, width, blocks, turn, profile=()):
+def measure(strategy, width, blocks, turn, profile=(), distinct_batches=64):
     """name -> (median step seconds, median block ratio, quartiles)."""
-    steps = EXAMPLE_BATCHES + 8 + blocks * turn
-    runs = _runs(strategy, width, steps, profile)
+    steps = distinct_batches + 8 + blocks * turn
+    runs = _runs(strategy, width, steps, profile, distinct_batches)
     functions, iterators = {}, {}
     for name, (model, data, patch, _) in runs.items():
         with patch() if patch else contextlib.nullcontext():
@@ -209,14 +207,13 @@ def measure(strategy, width, blocks, turn, profile=()):
             model.fit(data, epochs=1, steps_per_epoch=3, verbose=0)
             functions[name] = model.make_train_function()
             iterators[name] = iter(data)
-            for _ in range(EXAMPLE_BATCHES + 2):  # fills the replays
+            for _ in range(distinct_batches + 2):  # fills the replays
                 _step(functions[name], iterators[name])
     seconds = {name: [] for name in runs}
     ratios = {name: [] for name in runs}
     for number in range(blocks):
-        order = list(runs) if number % 2 == 0 else list(runs)[::-1]
         block = {name: [] for name in runs}
-        for name in order:
+        for name in round_order(runs, number):
             for _ in range(turn):
                 block[name].append(_step(functions[name], iterators[name]))
         medians = {name: np.median(values) for name, values in block.items()}
@@ -227,14 +224,14 @@ def measure(strategy, width, blocks, turn, profile=()):
         name: (
             float(np.median(seconds[name])),
             float(np.median(ratios[name])),
-            tuple(float(q) for q in np.percentile(ratios[name], [25, 75])),
+            quartiles(ratios[name]),
         )
         for name in runs
         if name != runs[name][3]
     }
 
 
-def table(strategy, widths, blocks, turn, profile=()):
+def table(strategy, widths, blocks, turn, profile=(), distinct_batches=64):
     """Markdown rows: one per (W, run), ratio to its baseline's step."""
     lines = [
         "| W | run | step (ms) | ratio (median of blocks) | "
@@ -243,7 +240,7 @@ def table(strategy, widths, blocks, turn, profile=()):
     ]
     for width in widths:
         for name, (step, ratio, spread) in measure(
-            strategy, width, blocks, turn, profile
+            strategy, width, blocks, turn, profile, distinct_batches
         ).items():
             lines.append(
                 f"| {width} | {name} | {1000 * step:.2f} | {ratio:.3f} | "
@@ -252,12 +249,12 @@ def table(strategy, widths, blocks, turn, profile=()):
     return lines
 
 
-def _mwms_worker(widths, blocks, turn, profile):
-    return table(mwms_strategy(), widths, blocks, turn, profile)
+def _mwms_worker(*table_args):
+    return table(mwms_strategy(), *table_args)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--blocks", type=int, default=30)
     parser.add_argument(
         "--turn", type=int, default=10, help="steps per run per turn"
@@ -287,22 +284,28 @@ def main():
         "32x32x3 images, a small Transformer encoder), each at its own "
         "global batch",
     )
+    parser.add_argument(
+        "--distinct-batches",
+        type=int,
+        default=64,
+        help="distinct global batches; the input repeats them",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--replicas", type=int, default=2)
     group.add_argument("--workers", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(parser, blocks=2, turn=2, widths=[64], distinct_batches=4)
     print(
-        f"interleaved step benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, {where(args.workers, args.replicas)}, equal shares, "
-        "global batch "
-        f"{global_batch(args.workers or args.replicas)}, {args.blocks} "
-        f"blocks of {args.turn} steps per run, MLP 64-W-W-10"
-        + "".join(
-            f", {kind} (global batch {GLOBAL_BATCH[kind]})"
-            for kind in args.models
+        header(
+            "interleaved step benchmark",
+            f"{where(args.workers, args.replicas)}, equal shares, global "
+            f"batch {equal_split_batch(args.workers or args.replicas)}, "
+            f"{args.blocks} blocks of {args.turn} steps per run, MLP "
+            "64-W-W-10"
+            + "".join(
+                f", {kind} (global batch {GLOBAL_BATCH[kind]})"
+                for kind in args.models
+            ),
         )
-        + f", load average at start {os.getloadavg()[0]:.1f} on "
-        f"{os.cpu_count()} cores"
     )
     items = [*args.widths, *args.models]
     print()
@@ -310,7 +313,7 @@ def main():
         args.workers,
         args.replicas,
         table,
-        (items, args.blocks, args.turn, args.profile),
+        (items, args.blocks, args.turn, args.profile, args.distinct_batches),
         _mwms_worker,
         # 300 blocks with 3 workers ran over the old fixed 590 s: about
         # 3 s per block and width covers MWMS steps of up to 30 ms.
@@ -318,7 +321,7 @@ def main():
     )
     print("\n".join(lines))
     print()
-    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    print(load_at_end())
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ Tables (all in one run, side by side):
    follow its speed), held-out loss at equal wall time.
 
 Run: `python benchmarks/low_communication.py` (about 10 minutes on 2 cores;
-`--quick` for a smoke run). `--worker` is the per-process entry point.
+`--only loss` for the first two tables). `--worker` is the per-process entry
+point.
 """
 
-import argparse
 import datetime
 import io
 import json
@@ -38,6 +38,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 FEATURES, CLASSES, HIDDEN = 32, 10, 256
 GLOBAL_BATCH = 64
@@ -200,7 +202,7 @@ def run(workers, options, hosts=None, **kwargs):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = smoke_parser(__doc__)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--steps", type=int, default=1600)
@@ -219,20 +221,33 @@ def main():
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--mbit", type=float, default=50.0)
     parser.add_argument("--slow-steps", type=int, default=300)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--speeds-seconds",
+        type=float,
+        default=30.0,
+        help="training time of each run of the speeds table",
+    )
     parser.add_argument(
         "--only",
         default="loss,link,speeds",
         help="tables to measure: loss (with the bytes), link, speeds",
     )
-    args = parser.parse_args()
+    # The smoke run: the first two tables (4 jobs); `--smoke --only
+    # link,speeds` for the others (6 jobs).
+    args = parse_args(
+        parser,
+        steps=16,
+        workers="2",
+        h=4,
+        slow_steps=8,
+        speeds_seconds=2.0,
+        only="loss",
+    )
     if args.worker:
         worker(args)
         return
     import keras_hetero as kh
 
-    if args.quick:
-        args.steps, args.slow_steps, args.workers = 400, 100, "2"
     H = args.h
     steps = ["--steps", str(args.steps)]
     print(
@@ -354,7 +369,7 @@ def _link_table(args, H):
 
 def _speeds_table(args, H):
     print("\n## SIMULATED speeds 1 : 3, held-out loss at equal wall time\n")
-    seconds = "30" if not args.quick else "8"
+    seconds = f"{args.speeds_seconds:g}"
     per_row = "0.001,0.003"
     speeds = ["--speeds", per_row, "--seconds", seconds]
     long_steps = ["--steps", str(args.steps * 4)]

@@ -41,7 +41,6 @@ Run: `python benchmarks/placement.py` (about 4 minutes on 2 cores;
 `--only layouts` for (c) and (d)).
 """
 
-import argparse
 import datetime
 import os
 import time
@@ -49,6 +48,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
@@ -195,7 +196,7 @@ def bench_splits(steps):
         )
 
 
-def bench_plan_time():
+def bench_plan_time(repeats=3):
     rng = np.random.default_rng(1)
     names = [f"layer_{i}" for i in range(200)]
     model = keras.Sequential(
@@ -206,7 +207,7 @@ def bench_plan_time():
     speeds = rng.choice([1.0, 1.5, 2.0, 4.0], size=8).tolist()
     memory = [int(m) for m in rng.uniform(2e4, 6e4, size=8)]
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         start = time.perf_counter()
         plan = placement.plan(
             model,
@@ -218,7 +219,7 @@ def bench_plan_time():
         times.append(time.perf_counter() - start)
     print(
         "\n| plan | layers | devices | memory limits | "
-        "plan time (median of 3) |"
+        f"plan time (median of {repeats}) |"
     )
     print("|---|---:|---:|---|---:|")
     print(
@@ -227,7 +228,9 @@ def bench_plan_time():
     )
 
 
-def bench_pipeline(steps, stage_time):
+def bench_pipeline(
+    steps, stage_time, stage_counts=(2, 3, 4), microbatch_counts=(1, 2, 4, 8)
+):
     speeds = [1.0, 2.0, 4.0, 2.0]
     print(
         f"\n(b) pipeline: K stages of {stage_time * 1e3:.0f} ms each per "
@@ -239,9 +242,9 @@ def bench_pipeline(steps, stage_time):
         "M/(M+K-1) | vs bound |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
-    for stages in (2, 3, 4):
+    for stages in stage_counts:
         devices = DEVICES[:stages]
-        for microbatches in (1, 2, 4, 8):
+        for microbatches in microbatch_counts:
             model = stage_model([stage_time] * stages, devices, microbatches)
             seconds = step_seconds(model, steps)
             fraction = stage_time / seconds
@@ -339,8 +342,9 @@ def layout_clusters():
     ]
 
 
-def bench_layouts(steps, microbatches=8):
+def bench_layouts(steps, microbatches=8, cluster_count=None):
     model, clusters = layout_clusters()
+    clusters = clusters[:cluster_count]
     names = [layer.name for layer in model.layers]
     costs = np.random.default_rng(4).uniform(0.03, 0.07, size=8).tolist()
     print(
@@ -468,21 +472,26 @@ def bench_local_search_gap(cases=40):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = smoke_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--stage-ms", type=float, default=100.0)
     parser.add_argument("--only", choices=["layouts"], default=None)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=2, stage_ms=5.0)
     print(
         f"# placement benchmark, {datetime.date.today()}, Keras "
         f"{keras.__version__}, TF {tf.__version__} (SIMULATED speeds)"
     )
+    # The smoke run: each table with its fewest rows (one pipeline depth,
+    # one cluster, a few search cases).
     if args.only != "layouts":
         bench_splits(args.steps)
-        bench_plan_time()
-        bench_pipeline(args.steps, args.stage_ms / 1e3)
-    bench_layouts(args.steps)
-    bench_local_search_gap()
+        bench_plan_time(repeats=1 if args.smoke else 3)
+        if args.smoke:
+            bench_pipeline(args.steps, args.stage_ms / 1e3, (2,), (1, 4))
+        else:
+            bench_pipeline(args.steps, args.stage_ms / 1e3)
+    bench_layouts(args.steps, cluster_count=1 if args.smoke else None)
+    bench_local_search_gap(cases=4 if args.smoke else 40)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ column is what a real link would carry.
 Run: `python benchmarks/precision.py` (about 2 minutes on 2 cores).
 """
 
-import argparse
 import datetime
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 from keras_hetero import _compat  # noqa: E402
@@ -75,10 +76,10 @@ def _optimizer_variables(model):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=4, rounds=1)
     strategy = kh.testing.mirrored(kh.testing.logical_cpus(2))
     settings = (None, "fp16", "bf16")
     models = {name: build(strategy, name) for name in settings}

@@ -28,7 +28,6 @@ Run as root: `python benchmarks/real_devices.py` (Keras 3), then with
 runs one tiny case of each table in seconds.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -43,6 +42,8 @@ from _harness import compile_model  # noqa: E402
 from _harness import examples  # noqa: E402
 from _harness import header  # noqa: E402
 from _harness import markdown_table  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
@@ -259,7 +260,7 @@ def straggler_table(model_kind, steps, drop_at, drop_to, timeout, runs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument(
         "--cases", nargs="+", default=list(CASES), choices=list(CASES)
@@ -277,18 +278,21 @@ def main():
         "--tables", nargs="+", default=["rebalance", "straggler"]
     )
     parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument(
-        "--smoke", action="store_true", help="one tiny case of each table"
+    # The smoke run: one tiny case of each table.
+    args = parse_args(
+        parser,
+        models=["mlp"],
+        cases=["1:2"],
+        steps=8,
+        tail=4,
+        straggler_steps=30,
+        drop_at=15,
+        straggler_runs=1,
     )
-    args = parser.parse_args()
     available, reason = kh.testing.cpu_quota_available()
     if not available:
         print(f"real_devices.py needs CPU quotas: {reason}")
         return 0 if args.smoke else 1
-    if args.smoke:
-        args.models, args.cases = ["mlp"], ["1:2"]
-        args.steps, args.tail = 8, 4
-        args.straggler_steps, args.drop_at, args.straggler_runs = 30, 15, 1
     print(
         header(
             "real unequal devices (CPU quotas, no simulation)",

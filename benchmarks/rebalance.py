@@ -27,13 +27,14 @@ Run: `python benchmarks/rebalance.py` (about 12 minutes on 2 cores;
 1:2,1:4,1:1:2:4` for the MWMS rows only).
 """
 
-import argparse
 import datetime
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
@@ -128,7 +129,7 @@ def steps_to_target(times, target):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--tail", type=int, default=30)
     parser.add_argument("--step-ms", type=float, default=150.0)
@@ -142,7 +143,14 @@ def main():
         default="",
         help='comma-separated speed cases, e.g. "1:2,1:4" (default: all)',
     )
-    args = parser.parse_args()
+    args = parse_args(
+        parser,
+        steps=10,
+        tail=5,
+        step_ms=10.0,
+        strategies="mirrored",
+        cases="1:2",
+    )
     devices = kh.testing.logical_cpus(4)
     step = args.step_ms / 1000.0
     print(

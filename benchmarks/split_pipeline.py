@@ -20,31 +20,32 @@ by `_compat.inline_map` on the calling thread, in one thread
 Run: `python benchmarks/split_pipeline.py` (2 replicas), `--replicas 4`.
 """
 
-import argparse
-import datetime
 import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-from overhead import _pooled_maps  # noqa: E402
-from overhead import _python_bounds  # noqa: E402
+from _harness import equal_split_batch  # noqa: E402
+from _harness import examples as examples_of  # noqa: E402
+from _harness import header  # noqa: E402
+from _harness import load_at_end  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import round_order  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
+from _step_variants import pooled_maps  # noqa: E402
+from _step_variants import python_bounds  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
-GLOBAL_BATCH = 256
-BATCHES = 300
 
-
-def measure(strategy, rounds):
+def measure(strategy, rounds, batches):
     import tensorflow as tf
 
-    batch = GLOBAL_BATCH - GLOBAL_BATCH % strategy.num_replicas_in_sync
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch * BATCHES, 64)).astype("float32")
-    y = rng.integers(0, 10, size=(batch * BATCHES,)).astype("int32")
-    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    batch = equal_split_batch(strategy.num_replicas_in_sync)
+    examples = tf.data.Dataset.from_tensor_slices(
+        examples_of("mlp", batch * batches)
+    )
 
     def stock():
         return strategy.experimental_distribute_dataset(examples.batch(batch))
@@ -54,20 +55,24 @@ def measure(strategy, rounds):
             examples, batch, strategy=strategy
         ).as_distributed_dataset()
 
-    def python_bounds():
-        with _python_bounds():
+    def sharded_python_bounds():
+        with python_bounds():
             return sharded()
 
-    def pooled_maps():
-        with _pooled_maps():
+    def sharded_pooled_maps():
+        with pooled_maps():
             return sharded()
 
     runs = {
         "stock": stock,
         "stock (A/A)": stock,
         "kh.data.shard": sharded,
-        "kh.data.shard, split maps on the thread pool (before)": pooled_maps,
-        "kh.data.shard, bounds by a Python callback (before)": python_bounds,
+        "kh.data.shard, split maps on the thread pool (before)": (
+            sharded_pooled_maps
+        ),
+        "kh.data.shard, bounds by a Python callback (before)": (
+            sharded_python_bounds
+        ),
     }
 
     def make_step():
@@ -84,12 +89,11 @@ def measure(strategy, rounds):
     wall = {name: [] for name in runs}
     cpu = {name: [] for name in runs}
     for number in range(rounds):
-        order = list(runs) if number % 2 == 0 else list(runs)[::-1]
-        for name in order:
+        for name in round_order(runs, number):
             iterator = iter(runs[name]())
             step = steps[name]
             step(iterator)  # tracing, the pipeline's first batch
-            timed = BATCHES - 2
+            timed = batches - 2
             start_wall, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(timed):
                 step(iterator)
@@ -148,19 +152,28 @@ def map_call_cost(rounds, calls=2000):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--batches", type=int, default=300, help="global batches per run"
+    )
+    parser.add_argument(
+        "--map-calls",
+        type=int,
+        default=2000,
+        help="elements per run of the map function table",
+    )
+    args = parse_args(parser, rounds=1, batches=10, map_calls=100)
     devices = kh.testing.logical_cpus(args.replicas)
     strategy = kh.testing.mirrored(devices)
     print(
-        f"split pipeline benchmark, {datetime.date.today()}, Keras flavour "
-        f"{kh.FLAVOUR}, MirroredStrategy on {args.replicas} logical CPUs, "
-        f"global batch {GLOBAL_BATCH - GLOBAL_BATCH % args.replicas}, "
-        f"{args.rounds} alternating rounds of {BATCHES} global batches, "
-        f"load average at start {os.getloadavg()[0]:.1f} on "
-        f"{os.cpu_count()} cores"
+        header(
+            "split pipeline benchmark",
+            f"MirroredStrategy on {args.replicas} logical CPUs, global batch "
+            f"{equal_split_batch(args.replicas)}, {args.rounds} alternating "
+            f"rounds of {args.batches} global batches",
+        )
     )
     print()
     print(
@@ -168,15 +181,15 @@ def main():
         "CPU per global batch (ms) | CPU ratio to stock |"
     )
     print("|---|---:|---:|---:|---:|")
-    print("\n".join(measure(strategy, args.rounds)))
+    print("\n".join(measure(strategy, args.rounds, args.batches)))
     print()
     print("One small map function per element (two slices), one thread:")
     print()
     print("| map | wall per element (us) | CPU per element (us) |")
     print("|---|---:|---:|")
-    print("\n".join(map_call_cost(args.rounds)))
+    print("\n".join(map_call_cost(args.rounds, args.map_calls)))
     print()
-    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    print(load_at_end())
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ the partition graphs of each function instantiated while it is on.
 Run: `python benchmarks/step_ops.py`, `--replicas 4`, `--profile`.
 """
 
-import argparse
 import collections
 import contextlib
 import datetime
@@ -28,10 +27,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-from overhead import PROFILE  # noqa: E402
-from overhead import build  # noqa: E402
-from overhead import global_batch  # noqa: E402
+from _harness import compiled_model  # noqa: E402
+from _harness import equal_split_batch  # noqa: E402
+from _harness import examples as examples_of  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
+from _step_variants import PROFILE  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 
@@ -81,11 +82,8 @@ def measure(strategy, profile):
     """Rows `(run, ops, ops by device, op types added or removed)`."""
     import tensorflow as tf
 
-    batch = global_batch(strategy.num_replicas_in_sync)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch * 4, 64)).astype("float32")
-    y = rng.integers(0, 10, size=(batch * 4,)).astype("int32")
-    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    batch = equal_split_batch(strategy.num_replicas_in_sync)
+    examples = tf.data.Dataset.from_tensor_slices(examples_of("mlp", batch * 4))
 
     def shard():
         return kh.data.shard(examples, batch, strategy=strategy)
@@ -102,7 +100,9 @@ def measure(strategy, profile):
             runs[f"HeteroModel, {name}"] = (kh.HeteroModel, data, patch)
     rows, stock = [], None
     for name, (model_class, data, patch) in runs.items():
-        model = build(model_class, strategy, WIDTH, 1)
+        model = compiled_model(
+            "mlp", model_class, strategy, width=WIDTH, metrics=["accuracy"]
+        )
         kinds, devices = _step_ops(model, data(), patch)
         if stock is None:
             stock = kinds
@@ -116,10 +116,12 @@ def measure(strategy, profile):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
+    # Two steps per run already: the smoke run is the full one, with the
+    # profile variants (whose patches of keras_hetero's internals it checks).
+    args = parse_args(parser, profile=True)
     devices = kh.testing.logical_cpus(args.replicas)
     strategy = kh.testing.mirrored(devices)
     print(

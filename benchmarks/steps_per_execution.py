@@ -11,7 +11,6 @@ a second k = 1 model: the noise of the measurement.
 Run: `python benchmarks/steps_per_execution.py`.
 """
 
-import argparse
 import datetime
 import os
 import time
@@ -20,13 +19,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 from keras_hetero import keras  # noqa: E402
 
 DEVICES = kh.testing.logical_cpus(2)
 GLOBAL_BATCH = 32
-STEPS = 200
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -61,15 +61,18 @@ def build(strategy, steps_per_execution):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--k", type=int, nargs="+", default=[4, 16], help="values of k"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--steps", type=int, default=200, help="steps per epoch"
+    )
+    args = parse_args(parser, rounds=1, steps=32)
     strategy = tf.distribute.MirroredStrategy(DEVICES)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 16)).astype("float32")
+    x = rng.normal(size=(GLOBAL_BATCH * args.steps, 16)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     examples = tf.data.Dataset.from_tensor_slices((x, y))
     runs = {"1 (A/A)": 1, "1": 1, **{str(k): k for k in args.k}}
@@ -90,8 +93,8 @@ def main():
     print(
         f"steps_per_execution benchmark, {datetime.date.today()}, Keras "
         f"flavour {kh.FLAVOUR}, MirroredStrategy on 2 logical CPUs, shares "
-        f"0.75/0.25, global batch {GLOBAL_BATCH}, {STEPS} steps per epoch, "
-        f"{args.rounds} alternating rounds, MLP 16-32-1"
+        f"0.75/0.25, global batch {GLOBAL_BATCH}, {args.steps} steps per "
+        f"epoch, {args.rounds} alternating rounds, MLP 16-32-1"
     )
     print()
     print("| k | step (ms) | ratio to k = 1 |")

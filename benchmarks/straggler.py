@@ -30,7 +30,6 @@ Replicas are MirroredStrategy logical CPUs. Four measurements:
 Run: `python benchmarks/straggler.py` (about 9 minutes on 2 cores).
 """
 
-import argparse
 import contextlib
 import datetime
 import logging
@@ -42,6 +41,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 from keras_hetero.stragglers import scoring as straggler  # noqa: E402
@@ -316,7 +317,7 @@ def overhead(strategy, rounds, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = smoke_parser(__doc__)
     parser.add_argument("--jitter-steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--overhead-steps", type=int, default=150)
@@ -324,7 +325,20 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--alarm-epochs", type=int, default=3)
     parser.add_argument("--alarm-steps", type=int, default=400)
-    args = parser.parse_args()
+    args = parse_args(
+        parser,
+        jitter_steps=20,
+        rounds=1,
+        overhead_steps=10,
+        repeats=1,
+        alarm_epochs=1,
+        alarm_steps=10,
+        load=0,  # the "under load" runs without a busy loop: no core taken
+    )
+    # The smoke run: one slowdown and one threshold, a short scoring core.
+    factors = (2.0,) if args.smoke else (1.2, 1.5, 2.0)
+    thresholds = (0.7,) if args.smoke else (0.7, 0.9)
+    core_steps = 1000 if args.smoke else 100_000
     # The tables count the events; their log lines would only interleave.
     logging.getLogger("keras_hetero").setLevel(logging.ERROR)
     devices = kh.testing.logical_cpus(4)
@@ -352,8 +366,8 @@ def main():
         "runs) |"
     )
     print("|---|---:|---:|---:|")
-    for factor in (1.2, 1.5, 2.0):
-        for threshold in (0.7, 0.9):
+    for factor in factors:
+        for threshold in thresholds:
             texts = []
             for loaded in (0, args.load):
                 runs = []
@@ -401,11 +415,11 @@ def main():
     print()
     four = kh.testing.mirrored(devices[:4])
     fit_flags = false_flags_fit(four, args.jitter_steps)
-    core_flags = false_flags_core(100_000)
+    core_flags = false_flags_core(core_steps)
     print("| no slowdown, +-20% jitter per replica and step | events |")
     print("|---|---:|")
     print(f"| fit, 4 replicas, {args.jitter_steps} steps | {fit_flags} |")
-    print(f"| scoring core, 4 replicas, 100000 steps | {core_flags} |")
+    print(f"| scoring core, 4 replicas, {core_steps} steps | {core_flags} |")
     print()
     times = overhead(two, args.rounds, args.overhead_steps)
     without = times["without"]

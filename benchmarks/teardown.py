@@ -23,7 +23,9 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from overhead import _autotuning_on  # noqa: E402
+from _harness import parse_args  # noqa: E402
+from _harness import smoke_parser  # noqa: E402
+from _step_variants import autotuning_on  # noqa: E402
 
 VARIANTS = (
     "stock",
@@ -33,7 +35,7 @@ VARIANTS = (
 )
 
 
-def child(variant, seconds):
+def child(variant, seconds, rows):
     import gc
     import time
 
@@ -46,7 +48,7 @@ def child(variant, seconds):
     kh.testing.logical_cpus(2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(64 * 200_000, 8)).astype("float32")
+    x = rng.normal(size=(rows, 8)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     examples = tf.data.Dataset.from_tensor_slices((x, y))
 
@@ -69,7 +71,7 @@ def child(variant, seconds):
     else:
         data = kh.data.shard(examples, 64, strategy=strategy)
     before = "autotuning on" in variant
-    with _autotuning_on() if before else contextlib.nullcontext():
+    with autotuning_on() if before else contextlib.nullcontext():
         model.fit(data, epochs=1, verbose=0, callbacks=[StopAfter()])
     started = time.monotonic()
     del model, data
@@ -77,9 +79,9 @@ def child(variant, seconds):
     return time.monotonic() - started
 
 
-def measure(variant, seconds):
+def measure(variant, seconds, rows):
     output = subprocess.run(
-        [sys.executable, __file__, "--child", variant, str(seconds)],
+        [sys.executable, __file__, "--child", variant, str(seconds), str(rows)],
         check=True,
         capture_output=True,
         text=True,
@@ -88,13 +90,20 @@ def measure(variant, seconds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = smoke_parser(__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, nargs="+", default=[5, 20])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=64 * 200_000,
+        help="examples in the input: more than a fit reads in --seconds",
+    )
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parse_args(parser, seconds=[0.5], rounds=1, rows=64 * 1000)
     if args.child:
-        print(json.dumps(child(args.child[0], float(args.child[1]))))
+        variant, seconds, rows = args.child
+        print(json.dumps(child(variant, float(seconds), int(rows))))
         return
     import numpy as np
 
@@ -102,7 +111,9 @@ def main():
     for _ in range(args.rounds):
         for seconds in args.seconds:
             for variant in VARIANTS:
-                results[variant, seconds].append(measure(variant, seconds))
+                results[variant, seconds].append(
+                    measure(variant, seconds, args.rows)
+                )
     print(
         f"Teardown after a fit stopped mid-epoch ({datetime.date.today()}, "
         f"median of {args.rounds} rounds, MirroredStrategy on 2 logical "
