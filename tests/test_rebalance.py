@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from keras_hetero.balancing import core as rebalance
+from keras_hetero.data.shares import rows_from_shares
 
 
 def test_window_median_ignores_outliers_and_zero_row_replicas():
@@ -60,3 +61,46 @@ def test_hysteresis_keeps_shares_when_the_gain_is_small():
     window = window.add([50, 50], [0.05, 0.2])
     new = rebalance.decide(window, [0.5, 0.5], 100)
     np.testing.assert_allclose(new, [0.8, 0.2])
+
+
+def test_medians_are_numpy_medians_of_the_known_readings():
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 9, 10):
+        readings = rng.random((size, 300))
+        readings[rng.random(readings.shape) < 0.3] = np.nan
+        readings[:, :5] = np.nan  # columns with no reading
+        expected = [
+            np.median(column[~np.isnan(column)])
+            if (~np.isnan(column)).any()
+            else np.nan
+            for column in readings.T
+        ]
+        np.testing.assert_array_equal(rebalance.medians(readings), expected)
+        full = rng.random((size, 300))
+        np.testing.assert_array_equal(
+            rebalance.medians(full), np.median(full, axis=0)
+        )
+
+
+def test_decisions_at_4096_replicas_converge_to_capacity():
+    # Workers of 8 replicas of GPU generations 1 : 1.5 : 3, 3% jitter,
+    # equal shares at first: the first decision puts the shares within 2%
+    # of capacity (half the L1 distance: the fraction of the rows on the
+    # wrong replicas), and they stay there.
+    rng = np.random.default_rng(1)
+    replicas, global_batch_size = 4096, 64 * 4096
+    speed = np.repeat([1.0, 1.5, 3.0] * (replicas // 24 + 1), 8)[:replicas]
+    capacity = speed / speed.sum()
+    shares = np.full(replicas, 1.0 / replicas)
+    window = rebalance.SpeedWindow.empty(replicas, 10)
+    distances = []
+    for step in range(1, 61):
+        rows = rows_from_shares(shares, global_batch_size)
+        jitter = np.exp(0.03 * rng.standard_normal(replicas))
+        window = window.add(rows, rows * 0.004 / speed * jitter)
+        if step % 10 == 0:
+            new = rebalance.decide(window, shares, global_batch_size)
+            shares = shares if new is None else new
+            distances.append(0.5 * np.abs(shares - capacity).sum())
+    assert distances[0] < 0.02
+    assert max(distances) < 0.02

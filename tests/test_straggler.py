@@ -521,3 +521,89 @@ def test_both_scorers_take_the_pinned_decisions():
         assert repr(events) == repr(pinned), readings["seed"]
         assert repr(reference) == repr(pinned), readings["seed"]
         assert scorer.state().noise == noise == state.noise
+
+
+def _cluster_readings(rng, replicas, steps, slowed, at):
+    """`(rows, seconds)`: workers of 8 replicas of GPU generations 1 : 1.5
+    : 3, 64 rows each, 3% jitter, 0.1% of readings stalled 2-10x;
+    `slowed` replicas 1.5x slower from step `at`."""
+    speed = np.repeat(
+        np.array([1.0, 1.5, 3.0])[np.arange(replicas // 8) % 3], 8
+    )
+    cost = np.tile(0.004 / speed, (steps, 1))
+    cost *= np.exp(0.03 * rng.standard_normal(cost.shape))
+    stalled = rng.random(cost.shape) < 0.001
+    cost[stalled] *= rng.uniform(2.0, 10.0, stalled.sum())
+    cost[at:, slowed] *= 1.5
+    rows = np.full(cost.shape, 64.0)
+    return rows, rows * cost
+
+
+def test_scorer_at_1024_replicas_names_exactly_the_slowed_replicas():
+    rng = np.random.default_rng(44)
+    slowed = np.sort(rng.choice(1024, 8, replace=False))
+    rows, seconds = _cluster_readings(rng, 1024, 150, slowed, at=100)
+    rules = dict(threshold=0.7, patience=3, relative_threshold=0.15)
+    scorer = straggler.Scorer(1024, 9)
+    state = straggler.ScoreState.empty(1024, 9)
+    events = []
+    for step in range(len(rows)):
+        changes = scorer.step(rows[step], seconds[step], **rules)
+        events += [(step, *change) for change in changes]
+        state = straggler.add_reading(state, rows[step], seconds[step])
+        state, expected = straggler.evaluate(state, **rules)
+        assert changes == expected, step
+    assert sorted(e[1] for e in events) == slowed.tolist()
+    assert {e[2] for e in events} == {"straggler"}
+    assert all(100 <= e[0] < 110 for e in events)  # within 10 steps
+
+
+def test_scorer_state_round_trips_mid_window():
+    # The scorer keeps its readings in a ring; its state is oldest first
+    # wherever the ring is, and a scorer made from it goes on alike.
+    rng = np.random.default_rng(5)
+    rows, seconds = _cluster_readings(rng, 16, 60, [3], at=30)
+    rules = dict(threshold=0.7, patience=3, relative_threshold=0.15)
+    scorer = straggler.Scorer(16, 9)
+    state = straggler.ScoreState.empty(16, 9)
+    for step in range(22):  # not a multiple of the window
+        scorer.step(rows[step], seconds[step], **rules)
+        state = straggler.add_reading(state, rows[step], seconds[step])
+        state, _ = straggler.evaluate(state, **rules)
+    np.testing.assert_array_equal(scorer.state().readings, state.readings)
+    again = straggler.Scorer.from_state(
+        straggler.ScoreState.from_dict(scorer.state().to_dict())
+    )
+    assert again.num_replicas == 16
+    events = []
+    for step in range(22, 60):
+        expected = scorer.step(rows[step], seconds[step], **rules)
+        assert again.step(rows[step], seconds[step], **rules) == expected
+        events += [change[:2] for change in expected]
+    assert events == [(3, "straggler")]
+    np.testing.assert_array_equal(
+        again.state().readings, scorer.state().readings
+    )
+
+
+def test_order_statistics_are_exactly_the_sorted_values():
+    # The scorer's pooled median: a sampled bracket and a partition of what
+    # lies in it, or (when the bracket misses) a partition of everything.
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        size = int(rng.integers(1, 40000))
+        values = [
+            rng.random(size),
+            np.round(10 * rng.random(size)),  # many ties
+            np.sort(rng.random(size)),
+            np.sort(rng.random(size))[::-1].copy(),
+            np.full(size, 0.5),
+            np.where(rng.random(size) < 0.3, np.inf, rng.random(size)),
+        ][trial % 6]
+        ranks = [(size - 1) // 2, size // 2]
+        if trial % 3 == 0:
+            rank = int(rng.integers(0, size))
+            ranks = [rank, min(rank + 1, size - 1)]
+        np.testing.assert_array_equal(
+            straggler._order_statistics(values, ranks), np.sort(values)[ranks]
+        )

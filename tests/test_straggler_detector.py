@@ -378,3 +378,40 @@ def test_detector_reports_a_slow_link_and_leaves_stragglers_alone(caplog):
     fresh.set_model(Model())
     fresh.on_train_begin()
     assert fresh._communication.baseline == pytest.approx(0.010)
+
+
+def test_scores_restored_for_another_replica_count_start_afresh():
+    # A job resumed with fewer or more replicas: the restored scores are
+    # of other replicas and are not used.
+    stats = []
+
+    class Model:
+        @property
+        def step_stats(self):
+            return stats[-1]
+
+    def feed(detector, replicas, steps):
+        for _ in range(steps):
+            stats.append(
+                kh.StepStats(
+                    step=len(stats) + 1,
+                    steps=1,
+                    rows=np.full(replicas, 4),
+                    compute_seconds=np.full(replicas, 0.02),
+                    devices=[f"/CPU:{i}" for i in range(replicas)],
+                )
+            )
+            detector.on_train_batch_begin(0)
+            detector.on_train_batch_end(0)
+
+    first = kh.callbacks.StragglerDetector(window=3, patience=1)
+    first.set_model(Model())
+    first.on_train_begin()
+    feed(first, 2, 5)
+    resumed = kh.callbacks.StragglerDetector(window=3, patience=1)
+    resumed.set_model(Model())
+    resumed.on_train_begin()
+    resumed.set_state(first.get_state())
+    feed(resumed, 3, 5)
+    assert resumed.events == []
+    assert resumed.get_state()["scores"]["seen"] == 5

@@ -322,7 +322,8 @@ class StragglerDetector(base.HeteroCallback):
             # the others look slow: the scores start over without them.
             self._scorer = None
         seconds = self._clock.masked(seconds)
-        if self._scorer is None:
+        if self._scorer is None or self._scorer.num_replicas != len(rows):
+            # None, or restored (`set_state`) for another replica count.
             self._scorer = straggler.Scorer(len(rows), self.window)
         # Also after `set_state`, which restores the scorer only.
         self._devices = devices

@@ -4,8 +4,9 @@ Numpy over explicit, immutable state (`ScoreState`), testable without
 TensorFlow. Fed the same all-reduced telemetry, every worker scores alike.
 Two implementations of the same rules: `add_reading` + `evaluate`, the
 reference (a new state per step; tests and benchmarks/straggler.py use it),
-and `Scorer`, the incremental one `StragglerDetector` runs (tests check that
-both give the same events).
+and `Scorer`, the incremental one `StragglerDetector` runs, a fixed number
+of vector operations per step however many replicas (tests check that both
+give the same events).
 
 Per replica and step the cost is `compute_seconds / rows` (seconds per row),
 so a replica that was given more rows is not blamed for it. Over a window of
@@ -303,12 +304,15 @@ def evaluate(
 
 
 class Scorer:
-    """`add_reading` + `evaluate` in one call, on plain Python floats.
+    """`add_reading` + `evaluate` in one call, in place.
 
-    The same arithmetic as the numpy functions above (a test checks that
-    both give the same states and changes), without numpy's per-call cost
-    on arrays of a handful of replicas: `StragglerDetector` runs it every
-    step. Mutable; convert with `state()` / `from_state()`.
+    The same arithmetic as the functions above (tests check that both give
+    the same states and changes), as a fixed number of vector operations
+    over the replicas whatever their number, on arrays it keeps and
+    updates: no new state per step and no loop over the replicas.
+    `StragglerDetector` runs it every step (`benchmarks/scale.py` measures
+    it from 8 to 4,096 replicas). Mutable; convert with `state()` /
+    `from_state()`.
 
     Args:
         num_replicas: Replicas scored.
@@ -322,42 +326,51 @@ class Scorer:
     """
 
     def __init__(self, num_replicas, window):
-        nan = float("nan")
         self.window = window
-        self.readings = [[nan] * num_replicas for _ in range(window)]
+        # `[replicas, window]`, a ring: `_next` is the oldest slot, which
+        # the next reading overwrites. Each replica's readings lie in one
+        # contiguous row, which the per-replica medians partition.
+        self._readings = np.full((num_replicas, window), np.nan)
+        self._next = 0
         self.seen = 0
-        self.baseline = [nan] * num_replicas
-        self.below = [0] * num_replicas
-        self.above = [0] * num_replicas
-        self.flagged = [False] * num_replicas
-        self.rows = [0.0] * num_replicas
+        self.baseline = np.full(num_replicas, np.nan)
+        self.below = np.zeros(num_replicas, np.int64)
+        self.above = np.zeros(num_replicas, np.int64)
+        self.flagged = np.zeros(num_replicas, bool)
+        self.rows = np.zeros(num_replicas, np.float64)
         self.noise = 0.0
+
+    @property
+    def num_replicas(self):
+        """Replicas scored."""
+        return self._readings.shape[0]
 
     @classmethod
     def from_state(cls, state):
         """A scorer holding `ScoreState` `state`."""
         window, replicas = state.readings.shape
         scorer = cls(replicas, window)
-        scorer.readings = [[float(v) for v in row] for row in state.readings]
+        scorer._readings[...] = state.readings.T
         scorer.seen = int(state.seen)
-        scorer.baseline = [float(v) for v in state.baseline]
-        scorer.below = [int(v) for v in state.below]
-        scorer.above = [int(v) for v in state.above]
-        scorer.flagged = [bool(v) for v in state.flagged]
-        scorer.rows = [float(v) for v in state.rows]
+        scorer.baseline = np.array(state.baseline, np.float64)
+        scorer.below = np.array(state.below, np.int64)
+        scorer.above = np.array(state.above, np.int64)
+        scorer.flagged = np.array(state.flagged, bool)
+        scorer.rows = np.array(state.rows, np.float64)
         scorer.noise = float(state.noise)
         return scorer
 
     def state(self):
-        """This scorer's `ScoreState`."""
+        """This scorer's `ScoreState` (a copy)."""
+        oldest_first = np.roll(self._readings, -self._next, axis=1)
         return ScoreState(
-            readings=np.array(self.readings, np.float64),
+            readings=np.ascontiguousarray(oldest_first.T),
             seen=self.seen,
-            baseline=np.array(self.baseline, np.float64),
-            below=np.array(self.below, np.int64),
-            above=np.array(self.above, np.int64),
-            flagged=np.array(self.flagged, bool),
-            rows=np.array(self.rows, np.float64),
+            baseline=self.baseline.copy(),
+            below=self.below.copy(),
+            above=self.above.copy(),
+            flagged=self.flagged.copy(),
+            rows=self.rows.copy(),
             noise=self.noise,
         )
 
@@ -374,104 +387,122 @@ class Scorer:
         """Adds one reading and evaluates; returns `evaluate`'s changes."""
         if relative_threshold is None:
             relative_threshold = threshold
-        nan = float("nan")
-        rows = [float(r) for r in rows]
-        reading = [
-            float(s) / r if r > 0 else nan
-            for r, s in zip(rows, compute_seconds)
-        ]
-        self.rows = [r if r > 0 else old for r, old in zip(rows, self.rows)]
-        self.readings.pop(0)
-        self.readings.append(reading)
+        rows = np.asarray(rows, np.float64)
+        scored = rows > 0
+        # Dividing by NaN (no rows) gives NaN without a warning.
+        newest = np.asarray(compute_seconds, np.float64) / np.where(
+            scored, rows, np.nan
+        )
+        self._readings[:, self._next] = newest
+        self._next = (self._next + 1) % self.window
+        self.rows = np.where(scored, rows, self.rows)
         self.seen += 1
         if self.seen < self.window:
             return []
-        columns = list(zip(*self.readings))
-        cost = [_median(column) for column in columns]
-        known = [c for c in cost if c == c]
-        best = min(known) if known else nan
-        ratios = [_ratio(b, c) for b, c in zip(self.baseline, cost)]
-        finite = [r for r in ratios if math.isfinite(r)]
-        if len(finite) > 1:  # against the least slowed replica
-            peak = max(finite)
-            ratios = [_ratio(r, peak) for r in ratios]
-        floor = self._noise_floor(columns, cost, min_excess_seconds)
-        changes = []
-        for replica, value in enumerate(cost):
-            relative = _ratio(best, value)
-            individual = ratios[replica]
-            rows_now = self.rows[replica]
-            newest = reading[replica]
-            current = newest if newest < value else value
-            relaxed = self.baseline[replica] * (1.0 + BASELINE_RELAX)
-            # fmin: NaN loses to a number.
-            if value == value and not relaxed <= value:
-                self.baseline[replica] = value
-            else:
-                self.baseline[replica] = relaxed
+        rows = self.rows
+        cost = rebalance.medians(self._readings.T)
+        # NaN costs (no reading) stay NaN; fmin skips them for the best.
+        best = np.fmin.reduce(cost)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = best / cost
+            individual = self.baseline / cost
+            finite = np.isfinite(individual)
+            if np.count_nonzero(finite) > 1:
+                # Against the least slowed replica: a slowdown all share
+                # is none's.
+                individual = individual / individual[finite].max()
+        floor = self._noise_floor(newest, cost, min_excess_seconds)
+        # The baseline: the lowest median seen, relaxed upward a little
+        # each evaluation (see `evaluate`); fmin: NaN loses to a number.
+        self.baseline = np.fmin(self.baseline * (1.0 + BASELINE_RELAX), cost)
+        current = np.where(newest < cost, newest, cost)
+        # NaN (no reading) compares False: not low.
+        with np.errstate(invalid="ignore"):
             slow = relative < relative_threshold
             lost = individual < threshold
-            if self.flagged[replica]:
-                low = slow or lost
-            else:
-                low = (slow and (current - best) * rows_now > floor) or (
-                    lost and (current - value * individual) * rows_now > floor
-                )
-            if low:
-                self.below[replica] += 1
-                self.above[replica] = 0
-            else:
-                self.below[replica] = 0
-                self.above[replica] += 1
-            flagged = self.flagged[replica]
-            if not flagged and self.below[replica] >= patience:
-                kind = "straggler"
-            elif flagged and self.above[replica] >= patience:
-                kind = "recovered"
-            else:
-                continue
-            self.flagged[replica] = not flagged
-            changes.append((replica, kind, relative, individual))
-        return changes
-
-    def _noise_floor(self, columns, cost, min_excess_seconds):
-        """`noise_floor` on lists; updates `self.noise`."""
-        pooled = [
-            abs(v - c) * r
-            for column, c, r in zip(columns, cost, self.rows)
-            if r > 0
-            for v in column
-            if v == v
+            costly = (slow & ((current - best) * rows > floor)) | (
+                lost & ((current - cost * individual) * rows > floor)
+            )
+        low = np.where(self.flagged, slow | lost, costly)
+        self.below = np.where(low, self.below + 1, 0)
+        self.above = np.where(low, 0, self.above + 1)
+        starts = ~self.flagged & (self.below >= patience)
+        ends = self.flagged & (self.above >= patience)
+        changed = np.flatnonzero(starts | ends)
+        if not changed.size:
+            return []
+        self.flagged = (self.flagged | starts) & ~ends
+        return [
+            (
+                int(replica),
+                "straggler" if starts[replica] else "recovered",
+                float(relative[replica]),
+                float(individual[replica]),
+            )
+            for replica in changed
         ]
-        mad = _median(pooled) if pooled else 0.0
-        latest = []
-        for v, c, r in zip(self.readings[-1], cost, self.rows):
-            deviation = abs(v - c)
-            deviation = deviation if deviation < c else c
-            if r > 0 and v == v:
-                latest.append(deviation * r)
-        if latest:
-            mean = math.fsum(latest) / len(latest)
+
+    def _noise_floor(self, newest, cost, min_excess_seconds):
+        """`noise_floor` on the ring; updates `self.noise`."""
+        rows = self.rows
+        scored = rows > 0
+        deviation = np.abs(self._readings - cost[:, np.newaxis])
+        deviation *= rows[:, np.newaxis]
+        pooled = deviation.ravel()
+        count = pooled.size
+        if not scored.all() or np.isnan(pooled).any():
+            counted = ~np.isnan(deviation) & scored[:, np.newaxis]
+            count = np.count_nonzero(counted)
+            # Not counted: placed last, beyond the order statistics taken.
+            pooled = np.where(counted, deviation, np.inf).ravel()
+        mad = 0.0
+        if count:
+            low, high = _order_statistics(
+                pooled, [(count - 1) // 2, count // 2]
+            )
+            mad = float(low if count % 2 else 0.5 * (low + high))
+        latest = np.minimum(np.abs(newest - cost), cost) * rows
+        latest = latest[scored & ~np.isnan(latest)]
+        if latest.size:
+            # fsum: exactly the sum the reference takes, in any order.
+            mean = math.fsum(latest.tolist()) / latest.size
             self.noise = self.noise + NOISE_DECAY * (mean - self.noise)
         return max(
             min_excess_seconds, NOISE_MADS * mad, NOISE_MEANS * self.noise
         )
 
 
-def _median(values):
-    known = sorted(v for v in values if v == v)
-    if not known:
-        return float("nan")
-    middle, odd = divmod(len(known), 2)
-    if odd:
-        return known[middle]
-    return 0.5 * (known[middle - 1] + known[middle])
+# Below this many values `_order_statistics` partitions them all.
+_SELECT_DIRECTLY = 4096
+# Values sampled to bracket the ranks wanted...
+_SAMPLE = 512
+# ... and the margin, in sampled values either side (about four standard
+# deviations of a sampled rank).
+_MARGIN = 40
 
 
-def _ratio(numerator, denominator):
-    """numpy's float64 division: x/0 is inf (or NaN for 0/0), NaN stays."""
-    if denominator == 0:
-        if numerator != numerator or numerator == 0:
-            return float("nan")
-        return math.copysign(float("inf"), numerator)
-    return numerator / denominator
+def _order_statistics(values, ranks):
+    """`np.sort(values)[ranks]`, of a 1-D float array without NaN.
+
+    Exactly `np.partition`'s values, at a fraction of its cost for many
+    values: two bounds from a sorted sample around the ranks, a count of
+    the values below the lower one, and a partition of those between (a
+    Floyd-Rivest selection). If the bounds miss a rank (rare), all values
+    are partitioned.
+    """
+    size = values.size
+    if size <= _SELECT_DIRECTLY:
+        return np.partition(values, ranks)[ranks]
+    # Odd: the values are a ring per replica; an even step would sample
+    # only some of its slots when the window is even.
+    step = size // _SAMPLE | 1
+    sample = np.sort(values[::step])
+    at = [rank * len(sample) // size for rank in ranks]
+    low = sample[max(min(at) - _MARGIN, 0)]
+    high = sample[min(max(at) + _MARGIN, len(sample) - 1)]
+    below = np.count_nonzero(values < low)
+    between = values[(values >= low) & (values <= high)]
+    inner = [rank - below for rank in ranks]
+    if min(inner) < 0 or max(inner) >= between.size:
+        return np.partition(values, ranks)[ranks]
+    return np.partition(between, inner)[inner]
