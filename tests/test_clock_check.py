@@ -89,6 +89,51 @@ def test_readings_that_jump_every_step_are_reported_once_and_stay_usable():
     assert check.usable().all()
 
 
+def test_noise_is_the_median_of_steps_at_equal_rows_whatever_changes():
+    """Replicas' rows change now and then (steps across a change do not
+    count; too little to test the rows sign) and some readings are
+    missing: each replica is noise exactly when the median factor of its
+    counted steps exceeds `max_jitter`."""
+    rng = np.random.default_rng(4)
+    replicas, window = 300, 20
+    check = ClockCheck([f"/gpu:{i}" for i in range(replicas)], window=window)
+    # Per replica a typical factor between readings, 1.5x to 30x.
+    spread = np.log(10 ** rng.uniform(0.2, 1.5, replicas))
+    rows = np.full((window, replicas), 16.0)
+    seconds = np.empty((window, replicas))
+    for reading in range(window):
+        if reading:
+            rows[reading] = np.where(
+                rng.random(replicas) < 0.15, 20.0, rows[reading - 1]
+            )
+        seconds[reading] = (
+            rows[reading]
+            * 1e-3
+            * np.exp(spread * rng.choice([-0.5, 0.5], replicas))
+        )
+    seconds[rng.random(seconds.shape) < 0.05] = np.nan
+    found = []
+    for reading in range(window):
+        found += check.add(rows[reading], seconds[reading])
+    expected = []
+    for replica in range(replicas):
+        cost = seconds[:, replica] / rows[:, replica]
+        steps = [
+            abs(np.log(cost[i + 1] / cost[i]))
+            for i in range(window - 1)
+            if rows[i + 1, replica] == rows[i, replica]
+            and cost[i] > 0
+            and cost[i + 1] > 0
+        ]
+        if len(steps) >= window // 2:
+            ordered = sorted(steps)
+            if np.exp(ordered[(len(steps) - 1) // 2]) > 8.0:
+                expected.append(replica)
+    assert 30 < len(expected) < 270  # both kinds, many of each
+    assert sorted(f.replica for f in found) == expected
+    assert {f.sign for f in found} == {"noise"}
+
+
 def test_a_throttled_host_is_not_noise():
     """Under a CFS quota a replica's step is sometimes held to the next
     period: bimodal seconds, all of them real (measured: 2.5e-5 to 4e-5

@@ -144,8 +144,11 @@ class ClockCheck:
         self.blind = np.zeros(replicas, bool)
         self._below = np.zeros(replicas, np.int64)
         self._noise_reported = np.zeros(replicas, bool)
+        # A ring of the last `window` readings; `_slot` is the oldest's,
+        # which the next reading overwrites (see `_recent`).
         self._rows = np.full((self.window, replicas), np.nan)
         self._seconds = np.full((self.window, replicas), np.nan)
+        self._slot = 0
         self._readings = 0
         # The rows test: each replica's last measured rows; since its latest
         # change of rows, the readings taken (`_age`, -1: none pending) and
@@ -176,21 +179,17 @@ class ClockCheck:
         rows = np.asarray(rows, np.float64) / steps
         seconds = np.asarray(seconds, np.float64) / steps
         measured = np.isfinite(seconds) & (rows > 0)
-        self._rows = np.concatenate(
-            [self._rows[1:], np.where(measured, rows, np.nan)[np.newaxis]]
-        )
-        self._seconds = np.concatenate(
-            [self._seconds[1:], np.where(measured, seconds, np.nan)[None]]
-        )
+        self._rows[self._slot] = np.where(measured, rows, np.nan)
+        self._seconds[self._slot] = np.where(measured, seconds, np.nan)
+        self._slot = (self._slot + 1) % self.window
         self._readings += 1
         below = measured & (seconds < self.floor_seconds)
         self._below = np.where(
             below, self._below + 1, np.where(measured, 0, self._below)
         )
         findings = []
-        for replica in np.flatnonzero(
-            ~self.blind & (self._below >= self.patience)
-        ):
+        floor = ~self.blind & (self._below >= self.patience)
+        for replica in np.flatnonzero(floor) if floor.any() else ():
             findings.append(
                 self._finding(
                     replica,
@@ -217,6 +216,16 @@ class ClockCheck:
         decisions then keep what they had for those replicas."""
         return np.where(self.usable(), np.asarray(seconds, np.float64), np.nan)
 
+    def _recent(self, positions, columns=None):
+        """`(rows, seconds)` of the readings at `positions` (a slice of
+        the window, oldest first) for `columns` (None: every replica)."""
+        slots = (self._slot + np.arange(self.window)) % self.window
+        slots = slots[positions]
+        if columns is None:
+            return self._rows[slots], self._seconds[slots]
+        index = np.ix_(slots, columns)
+        return self._rows[index], self._seconds[index]
+
     def _finding(self, replica, sign, detail):
         return ClockFinding(int(replica), self.devices[replica], sign, detail)
 
@@ -227,23 +236,27 @@ class ClockCheck:
             move = np.abs(np.log(rows / self._last_rows))
         changed = measured & (move >= np.log1p(self.min_rows_change))
         self._last_rows = np.where(measured, rows, self._last_rows)
-        self._age = np.where(self._age >= 0, self._age + 1, self._age)
-        # The readings just before the change (this one is the first after
-        # it): the last `_enough` measured ones.
-        columns = np.flatnonzero(changed & ~self.blind)
-        before = _last_medians(
-            self._rows[:-1, columns], self._seconds[:-1, columns], self._enough
-        )
-        self._before[:, columns] = before
-        self._age[columns] = np.where(np.isfinite(before[1]), 1, -1)
+        pending = self._age >= 0
+        self._age = np.where(pending, self._age + 1, self._age)
+        changed &= ~self.blind
+        if changed.any():
+            # The readings just before the change (this one is the first
+            # after it): the last `_enough` measured ones.
+            columns = np.flatnonzero(changed)
+            before = _last_medians(
+                *self._recent(slice(None, -1), columns), self._enough
+            )
+            self._before[:, columns] = before
+            self._age[columns] = np.where(np.isfinite(before[1]), 1, -1)
+            pending |= changed
         findings = []
+        if not pending.any():  # the common case: no change under test
+            return findings
         due = np.flatnonzero((self._age >= self._enough) & ~self.blind)
         for age in np.unique(self._age[due]):
             columns = due[self._age[due] == age]
             after = _last_medians(
-                self._rows[-age:, columns],
-                self._seconds[-age:, columns],
-                self._enough,
+                *self._recent(slice(-age, None), columns), self._enough
             )
             known = np.isfinite(after[1])
             # Not enough measured readings since the change: wait, while the
@@ -281,16 +294,26 @@ class ClockCheck:
         """Findings of the noise sign (each replica once): consecutive
         readings at equal rows, the median factor between them. A change of
         the device's speed is one large step among them, jitter is many."""
+        rows, seconds = self._recent(slice(None))
         with np.errstate(divide="ignore", invalid="ignore"):
-            cost = self._seconds / self._rows
-            same = (self._rows[1:] == self._rows[:-1]) & (cost[1:] > 0)
+            cost = seconds / rows
+            same = (rows[1:] == rows[:-1]) & (cost[1:] > 0)
             same &= cost[:-1] > 0
-            steps = np.where(same, np.abs(np.log(cost[1:] / cost[:-1])), np.inf)
+            steps = np.abs(np.log(cost[1:] / cost[:-1]))
         counted = same.sum(axis=0)
-        # The median of the counted steps: the uncounted sort last.
-        ordered = np.sort(steps, axis=0)
-        middle = np.clip((counted - 1) // 2, 0, len(ordered) - 1)
-        median = ordered[middle, np.arange(ordered.shape[1])]
+        # Each replica's median of its counted steps, all at one index
+        # (one partition for every replica): of its uncounted steps, as
+        # many as put the median there go first (-inf), the others last.
+        middle = (len(steps) - 1) // 2
+        if not same.all():
+            first = middle - (counted - 1) // 2
+            uncounted = np.zeros(len(counted), np.int64)
+            for row, counts in enumerate(same):  # the window's readings
+                uncounted += ~counts
+                placed = np.where(uncounted <= first, -np.inf, np.inf)
+                steps[row] = np.where(counts, steps[row], placed)
+        steps = np.ascontiguousarray(steps.T)  # each replica's contiguous
+        median = np.partition(steps, middle, axis=1)[:, middle]
         jitter = np.exp(np.where(counted > 0, median, 0.0))
         noisy = (
             (counted >= self.window // 2)
