@@ -1,54 +1,27 @@
 """`kh.HeteroModel`: a `keras.Model` whose step is right for unequal replicas.
 
-One training step, per replica:
-
-1. time stamp, forward pass, the compiled loss as this replica's mean over its
-   own rows (sample weights and regularisers included), times its row count;
-2. gradients of that local SUM, time stamp (compute seconds end here);
-3. one cross-replica SUM of the gradients together with every replica's rows
-   and seconds (`aggregation.aggregate`);
-4. with `accumulation_steps=k`, addition to running sums (the update comes
-   on every k-th micro-step);
-5. division by the global row count, optional global-norm clipping, the
-   finite check under float16 loss scaling, then the optimizer update with
-   its own all-reduce skipped.
-
-Summed over replicas the gradient is `d/dw (SUM of per-example losses / global
-rows + regularisers)`: exactly what one device computes on the concatenated
-global batch, for any split of rows (a replica may have none).
+This module is the class, its settings and its Keras surface. What each
+method does lives in `keras_hetero.training`: the step (`training.step`),
+`fit` / `evaluate` / `predict` around Keras' own (`training.fitting`, and
+`training.parameter_server` under ParameterServerStrategy), the settings
+(`training.options.Settings`) and the run-time state (`training.state`,
+`training.runtime`).
 """
 
-import time
 import warnings
 
-import numpy as np
-import tensorflow as tf
-
-from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import precision as precision_lib
 from keras_hetero._compat import keras
-from keras_hetero.callbacks import base as callbacks_base
-from keras_hetero.data import arrays
-from keras_hetero.data.shard import HeteroDataset
-from keras_hetero.training import accumulation
-from keras_hetero.training import aggregation
-from keras_hetero.training import batch_statistics
-from keras_hetero.training import keras_callbacks
+from keras_hetero.training import fitting
 from keras_hetero.training import loss_scale as loss_scale_lib
 from keras_hetero.training import low_communication
 from keras_hetero.training import options
-from keras_hetero.training import parameter_server
+from keras_hetero.training import runtime
+from keras_hetero.training import state
+from keras_hetero.training import step
 from keras_hetero.training import telemetry
-
-# Prefix of the partial gradient sums in a `.keras` file's model entry.
-_ACCUMULATION_KEY = "keras_hetero_accumulation_"
-# Prefix of low-communication training's state (anchor, outer optimizer).
-_LOW_COMMUNICATION_KEY = "keras_hetero_low_communication_"
-# The telemetry totals among the train function's outputs (Keras 3), taken
-# out before Keras sees the logs.
-_TOTALS_KEY = "__keras_hetero_telemetry_totals"
 
 
 class HeteroModel(_compat.TrainerOverrides, keras.Model):
@@ -141,24 +114,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         low_communication=None,
         **kwargs,
     ):
-        low_communication = options.from_config_value(low_communication)
-        options.check_options(
-            precision,
-            gradient_compression,
-            accumulation_steps,
-            pipeline_microbatches,
-            communication,
-            global_clipnorm,
-            low_communication,
-        )
-        if _compat.functional_init_arguments(args, kwargs):
-            if not isinstance(self, _compat.Functional):
-                # A subclass calling `super().__init__(inputs, outputs)`.
-                _derive_from_functional(type(self))
-            _compat.init_functional(self, args, kwargs)
-        else:
-            super().__init__(*args, **kwargs)
-        self._hetero = options.Settings(
+        settings = options.Settings(
             precision=precision,
             gradient_compression=gradient_compression,
             accumulation_steps=accumulation_steps,
@@ -167,6 +123,14 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             global_clipnorm=global_clipnorm,
             low_communication=low_communication,
         )
+        if _compat.functional_init_arguments(args, kwargs):
+            if not isinstance(self, _compat.Functional):
+                # A subclass calling `super().__init__(inputs, outputs)`.
+                _derive_from_functional(type(self))
+            _compat.init_functional(self, args, kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        state.attach(self, settings)
         _compat.reduce_logs_to_first_replica(
             self,
             type(self).train_step is HeteroModel.train_step
@@ -222,490 +186,82 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         return hetero
 
     @property
+    def hetero_settings(self):
+        """The model's keras-hetero settings (`HeteroModel`'s keyword
+        arguments), read-only: an immutable object with one attribute per
+        argument, e.g. `model.hetero_settings.accumulation_steps`."""
+        return state.settings(self)
+
+    @property
     def step_stats(self):
         """`kh.StepStats` of the last executed train step(s), or None.
 
         None before the first train step. Under ParameterServerStrategy one
         entry per worker (see docs/strategies.md).
         """
-        hetero = self.__dict__.get("_hetero")
-        if hetero is None or hetero.telemetry is None:
+        run = state.run_state(self)
+        if run is None or run.telemetry is None:
             return None
-        return hetero.telemetry.step_stats()
+        return run.telemetry.step_stats()
 
-    # --- training -------------------------------------------------------
+    @property
+    def loss_scale(self):
+        """The current dynamic loss scale (float), or None without float16.
+
+        Set at `compile` when any layer computes in float16: the loss is
+        multiplied by it, and a step whose aggregated gradient is not finite
+        on any replica is skipped everywhere and halves it.
+        """
+        run = state.run_state(self)
+        scale = None if run is None else run.loss_scale
+        return None if scale is None else float(scale.scale.numpy())
+
+    # --- steps (training.step) ---------------------------------------------
 
     def train_step(self, data):
-        x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
-        hetero = self._hetero
-        rows = _batches.batch_rows(x)
-        # No clock readings in an XLA-compiled step, nor on a parameter-server
-        # worker (its closures are timed on the worker by the runner).
-        timed = not _compat.jit_compiled(self) and not (
-            _distribute.is_parameter_server(tf.distribute.get_strategy())
-        )
-        # The start: this step's input is on the replica's device and the
-        # device has finished the work queued before it (telemetry.clock).
-        start = telemetry.clock([rows, *tf.nest.flatten(x)], timed)
-        with tf.control_dependencies([start]):
-            x = tf.nest.map_structure(
-                lambda t: None if t is None else tf.identity(t), x
-            )
-        with tf.GradientTape() as tape:
-            y_pred, mean_loss = self._forward(x, y, sample_weight, rows)
-            row_count = tf.cast(rows, tf.float32)
-            scale = hetero.loss_scale
-            target = loss_scale_lib.loss_to_differentiate(
-                mean_loss, row_count, scale
-            )
-        # After the forward pass, as in Keras: a model whose layers build on
-        # their first call has its variables only now.
-        variables = self.trainable_variables
-        if (
-            variables
-            and _compat.jit_compiled(self)
-            and not tf.distribute.has_strategy()
-        ):
-            # A lazily built model's first trace: the optimizer's variables
-            # now, not under the control dependencies below (XLA cannot lift
-            # variables created there). Under a strategy the model and
-            # optimizer are built before tracing.
-            _compat.build_optimizer(self)
-        elif not variables:
-            warnings.warn(
-                "The model does not have any trainable weights.", stacklevel=2
-            )
-        grads = tape.gradient(target, variables) if variables else []
-        grads = loss_scale_lib.gradients_of_sum(grads, row_count, scale)
-        if hetero.low_communication is not None:
-            return self._local_step(
-                (x, y, y_pred, sample_weight),
-                grads,
-                variables,
-                rows,
-                start,
-                timed,
-            )
-        # The end: every gradient finished on its device (a data edge
-        # through a host copy, telemetry.clock), before the collective.
-        seconds = telemetry.clock([rows, *grads], timed) - start
-        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        stats = telemetry.stats_vector(num_replicas, rows, seconds)
-        packed = self._packs_metrics()
-        if packed:
-            # The metrics' replica sums travel in the gradients' collective
-            # (one all-reduce per step, not two). They read only this
-            # step's predictions, so updating them first changes nothing.
-            _compat.update_metrics(self, x, y, y_pred, sample_weight)
-            metric_variables, metric_values = _compat.local_metric_values(self)
-        accumulator = self._accumulator() if variables else None
-
-        def divisor(summed_stats):
-            # The global rows (times the loss scale): divided in the
-            # collective's output, once (see `aggregation.aggregate`).
-            return loss_scale_lib.divisor(
-                tf.reduce_sum(summed_stats[:num_replicas]), scale
-            )
-
-        grads, stats, *metric_sums = aggregation.aggregate(
-            grads,
-            stats,
-            compression=hetero.gradient_compression,
-            options=hetero.communication,
-            extra=metric_values if packed else (),
-            # Accumulated micro-steps divide their sum at the end instead.
-            divisor=divisor if accumulator is None else None,
-        )
-        global_rows = tf.reduce_sum(stats[:num_replicas])
-        ready = None
-        if accumulator is not None:
-            grads, rows_so_far, ready = accumulator.add(grads, global_rows)
-            stored = grads
-            grads = aggregation.divide(
-                grads, loss_scale_lib.divisor(rows_so_far, scale)
-            )
-        grads = aggregation.clip_by_global_norm(grads, hetero.global_clipnorm)
-
-        # Nothing in the optimizer's update may run before this step's data
-        # exists: its `iterations` increment reads no data, and in a
-        # tf.function ops on different resources are not ordered. When the
-        # input ends (an epoch of unknown length, a resumed epoch), the
-        # failing get_next must not leave a phantom step behind (the
-        # control dependency reaches the merge_call, see mirrored_run).
-        def apply(grads):
-            _compat.apply_aggregated_gradients(self.optimizer, grads, variables)
-
-        # The first local replica's global rows are enough: they exist only
-        # once every replica's data reached the collective, and the update's
-        # merge_call takes the control dependencies of all replicas (each
-        # device's update then waited for every replica's copy, R * (R - 1)
-        # cross-device edges per step; docs/benchmarks.md, "Fewer
-        # cross-device edges"). An XLA-compiled step keeps its own.
-        first = _distribute.is_first_local_replica()
-        waits_for = (
-            [global_rows]
-            if first is not False or _compat.jit_compiled(self)
-            else []
-        )
-        with tf.control_dependencies(waits_for):
-            # No variables: Keras skips the update too (nothing to update).
-            if variables:
-                loss_scale_lib.guarded_apply(apply, grads, scale, ready)
-            if accumulator is not None:
-                accumulator.store(stored, rows_so_far, ready)
-        if hetero.telemetry is not None:
-            hetero.telemetry.record(stats)
-        if packed:
-            sums = metric_sums[0] if metric_sums else []
-            return _compat.metrics_result_from(self, metric_variables, sums)
-        _compat.update_metrics(self, x, y, y_pred, sample_weight)
-        return self._global_logs()
-
-    def _local_step(self, data, grads, variables, rows, start, timed):
-        """An inner step of low-communication training: this replica's own
-        gradient, applied to its own weights; no collective (see
-        `training.low_communication`)."""
-        x, y, y_pred, sample_weight = data
-        local = self._local_training()
-        seconds = telemetry.clock([rows, *grads], timed) - start
-        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        stats = telemetry.stats_vector(num_replicas, rows, seconds)
-        # A replica without rows applies zero gradients; its weights then
-        # count for nothing in the pseudo-gradient (weighted by rows).
-        row_count = tf.maximum(tf.cast(rows, tf.float32), 1.0)
-        grads = aggregation.divide(grads, row_count)
-        grads = aggregation.clip_by_global_norm(
-            grads, self._hetero.global_clipnorm
-        )
-        with tf.control_dependencies([rows]):
-            if variables:
-                _compat.apply_aggregated_gradients(
-                    self.optimizer, grads, variables
-                )
-            local.record(rows, stats)
-        _compat.update_metrics(self, x, y, y_pred, sample_weight)
-        # This replica's own metrics (no collective between synchronisations).
-        return _compat.local_metrics_result(self)
-
-    def _local_training(self):
-        """The `LocalTraining` state (created once), or None."""
-        hetero = self._hetero
-        if hetero.low_communication is None:
-            return None
-        if getattr(hetero, "local_training", None) is None:
-            if not self.trainable_variables:
-                return None  # not built yet (`_check_low_communication`)
-            hetero.local_training = low_communication.LocalTraining(
-                self, hetero.low_communication
-            )
-        return hetero.local_training
-
-    def _forward(self, x, y, sample_weight, rows):
-        """Predictions and this replica's mean loss (float32) on its rows.
-
-        With `pipeline_microbatches=M` the rows are cut into M contiguous
-        micro-batches, each run through the model on its own; the mean is
-        the row-weighted mean of the micro-batches' means, so the loss (and
-        its gradient) is the one of the whole batch. TensorFlow runs each
-        op when its inputs are ready, so stage k of micro-batch i+1 runs
-        while stage k+1 works on micro-batch i, forward and backward (the
-        GPipe schedule, with no extra collective or synchronisation).
-        """
-        count = self._hetero.pipeline_microbatches
-        if count == 1:
-            y_pred = self(x, training=True)
-            mean_loss = _compat.unscaled_mean_loss(
-                self, x, y, y_pred, sample_weight, rows, training=True
-            )
-            return y_pred, tf.cast(mean_loss, tf.float32)
-        predictions, weighted = [], []
-        for chunk in range(count):
-            start = rows * chunk // count
-            end = rows * (chunk + 1) // count
-            x_i, y_i, weight_i = _batches.row_slice(
-                (x, y, sample_weight), start, end
-            )
-            y_pred_i = self(x_i, training=True)
-            mean_i = _compat.unscaled_mean_loss(
-                self, x_i, y_i, y_pred_i, weight_i, end - start, training=True
-            )
-            rows_i = tf.cast(end - start, tf.float32)
-            weighted.append(tf.cast(mean_i, tf.float32) * rows_i)
-            predictions.append(y_pred_i)
-        y_pred = tf.nest.map_structure(
-            lambda *parts: tf.concat(parts, axis=0), *predictions
-        )
-        mean_loss = tf.math.divide_no_nan(
-            tf.add_n(weighted), tf.cast(rows, tf.float32)
-        )
-        return y_pred, mean_loss
+        return step.train_step(self, data)
 
     def test_step(self, data):
-        x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
-        y_pred = self(x, training=False)
-        _compat.unscaled_mean_loss(
-            self,
-            x,
-            y,
-            y_pred,
-            sample_weight,
-            _batches.batch_rows(x),
-            training=False,
-        )
-        _compat.update_metrics(self, x, y, y_pred, sample_weight)
-        return self._global_logs()
-
-    def _packs_metrics(self):
-        """Whether the step sums the metrics in the gradients' collective."""
-        context = tf.distribute.get_replica_context()
-        return (
-            _compat.PACKS_METRICS
-            and context is not None
-            and context.num_replicas_in_sync > 1
-            and not _distribute.is_parameter_server(context.strategy)
-            # A collective in replica context never returns there.
-            and not _distribute.replicas_on_missing_devices(context.strategy)
-        )
-
-    def _global_logs(self):
-        # Metric variables are ON_READ sums: every replica's, summed in one
-        # batched collective (see `_compat.global_metrics_result`).
-        context = tf.distribute.get_replica_context()
-        if (
-            context is None
-            or context.num_replicas_in_sync == 1
-            or _distribute.is_parameter_server(context.strategy)
-        ):
-            return self.get_metrics_result()
-        if _distribute.replicas_on_missing_devices(context.strategy):
-            # Reduced in cross-replica context (see aggregation.all_reduce_sum).
-            return context.merge_call(lambda _: self.get_metrics_result())
-        return _compat.global_metrics_result(self)
-
-    def _parameter_server(self):
-        """The `ParameterServerRunner` of this model (created once)."""
-        hetero = self._hetero
-        if getattr(hetero, "parameter_server", None) is None:
-            hetero.parameter_server = parameter_server.ParameterServerRunner(
-                self
-            )
-            hetero.telemetry = hetero.parameter_server.telemetry
-        return hetero.parameter_server
-
-    def _accumulator(self):
-        """The `GradientAccumulator` (created once), or None for k = 1."""
-        hetero = self._hetero
-        if hetero.accumulation_steps == 1:
-            return None
-        if getattr(hetero, "accumulator", None) is None:
-            with self.distribute_strategy.scope():
-                hetero.accumulator = accumulation.GradientAccumulator(
-                    self.trainable_variables, hetero.accumulation_steps
-                )
-        return hetero.accumulator
-
-    def _hetero_variables(self):
-        """Variables of HeteroModel's own state a checkpoint must hold."""
-        hetero = self._hetero
-        found = []
-        if hetero.loss_scale is not None:
-            found += hetero.loss_scale.variables
-        if self._accumulator() is not None:
-            found += hetero.accumulator.variables
-        if self.built and self._local_training() is not None:
-            found += hetero.local_training.variables
-        return found
-
-    # --- saving ------------------------------------------------------------
-
-    def save(self, filepath, *args, **kwargs):
-        accumulator = self._hetero.accumulator
-        pending = 0 if accumulator is None else int(accumulator.count.numpy())
-        if pending and not str(filepath).endswith(".keras"):
-            # Legacy `.h5` files and tf-keras' SavedModel hold Keras'
-            # variables only (see `save_own_variables`).
-            warnings.warn(
-                f"`{self.name}` is saved to {str(filepath)!r} with the "
-                f"gradient sums of {pending} micro-step(s) that have not "
-                "made an update yet (`accumulation_steps="
-                f"{self._hetero.accumulation_steps}`); only `.keras` files "
-                "hold them. A model loaded from this file does not go on "
-                "exactly as this one: save to a `.keras` file, or after "
-                "an update.",
-                stacklevel=2,
-            )
-        return super().save(filepath, *args, **kwargs)
-
-    def save_own_variables(self, store):
-        """Saves the model's own variables and the partial gradient sums.
-
-        With `accumulation_steps > 1` the sums of micro-steps that have not
-        made an update yet go into the file too (they are not Keras
-        variables), so a model saved mid-accumulation and loaded goes on
-        exactly as the one that was saved.
-
-        Args:
-            store: The dict-like store Keras saves this model's state in.
-        """
-        super().save_own_variables(store)
-        accumulator = self._hetero.accumulator
-        if accumulator is not None:
-            for name, value in accumulator.state().items():
-                store[_ACCUMULATION_KEY + name] = value
-        local = self._hetero.local_training
-        if local is not None:
-            # The anchor and the outer optimizer's state (e.g. its Nesterov
-            # momentum): a loaded model goes on with the same outer steps.
-            for index, variable in enumerate(local.variables):
-                store[f"{_LOW_COMMUNICATION_KEY}{index}"] = np.array(
-                    variable.numpy()
-                )
-
-    def load_own_variables(self, store):
-        """Loads what `save_own_variables` saved.
-
-        Args:
-            store: The dict-like store Keras loads this model's state from.
-        """
-        names = list(store.keys())
-        own = (_ACCUMULATION_KEY, _LOW_COMMUNICATION_KEY)
-        keras_names = [n for n in names if not n.startswith(own)]
-        super().load_own_variables({name: store[name] for name in keras_names})
-        self._load_low_communication(
-            [
-                np.asarray(store[f"{_LOW_COMMUNICATION_KEY}{index}"])
-                for index in range(
-                    sum(n.startswith(_LOW_COMMUNICATION_KEY) for n in names)
-                )
-            ]
-        )
-        saved = {
-            name[len(_ACCUMULATION_KEY) :]: np.asarray(store[name])
-            for name in names
-            if name.startswith(_ACCUMULATION_KEY)
-        }
-        if not saved:
-            return
-        accumulator = self._accumulator() if self.trainable_variables else None
-        if accumulator is not None:
-            accumulator.restore(saved)
-        elif int(saved["micro_steps"]):
-            micro_steps = int(saved["micro_steps"])
-            warnings.warn(
-                f"The file holds the gradient sums of {micro_steps} "
-                "micro-step(s) that had not made an update yet, and "
-                f"`{self.name}` has `accumulation_steps="
-                f"{self._hetero.accumulation_steps}`: they are dropped, so "
-                "training does not go on exactly as the saved model would.",
-                stacklevel=2,
-            )
-
-    def _load_low_communication(self, arrays):
-        if not arrays:
-            return
-        local = self._local_training() if self.built else None
-        variables = [] if local is None else local.variables
-        shapes = [tuple(np.shape(a)) for a in arrays]
-        if shapes != [tuple(v.shape) for v in variables]:
-            warnings.warn(
-                f"The file holds low-communication state ({len(arrays)} "
-                f"arrays: the anchor and the outer optimizer's state) that "
-                f"`{self.name}` has no place for (low_communication="
-                f"{self._hetero.low_communication!r}); it is dropped.",
-                stacklevel=3,
-            )
-            return
-        for variable, array in zip(variables, arrays):
-            variable.assign(array)
+        return step.test_step(self, data)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
         strategy = self.distribute_strategy
-        hetero = self._hetero
-        if hetero.telemetry is None and not _distribute.is_parameter_server(
+        run = state.run_state(self)
+        if run.telemetry is None and not _distribute.is_parameter_server(
             strategy
         ):
-            hetero.telemetry = telemetry.Telemetry(
+            run.telemetry = telemetry.Telemetry(
                 strategy,
                 _distribute.global_replica_devices(strategy),
-                waits=hetero.low_communication is not None,
+                waits=self.hetero_settings.low_communication is not None,
             )
         if self.built:  # else its first trace builds the model and sums
-            self._accumulator()
-        if hetero.low_communication is not None:
-            self._check_low_communication()
-            self._local_training()
+            runtime.accumulator(self)
+        if self.hetero_settings.low_communication is not None:
+            low_communication.check_model(self)
+            runtime.local_training(self)
         super().make_train_function(force=force)
-        function = self.train_function
-        if hetero.telemetry is None:
-            return function
-        local = self._local_training()
-
-        def train_function(iterator):
-            started = time.perf_counter()
-            logs = function(iterator)
-            totals = None
-            if isinstance(logs, dict):
-                # Keras 3: the call read them (`_train_function_extras`).
-                totals = logs.pop(_TOTALS_KEY, None)
-            if local is not None:
-                # Low-communication: a round's telemetry arrives with its
-                # synchronisation; the calls before it cover no steps.
-                local.maybe_synchronise()
-            hetero.telemetry.snapshot(time.perf_counter() - started, totals)
-            return logs
-
-        self.train_function = train_function
-        return train_function
+        self.train_function = step.timed_train_function(
+            self, self.train_function
+        )
+        return self.train_function
 
     def _train_function_extras(self):
-        """Outputs the train function adds after the step (Keras 3,
-        `_compat.Keras3TrainerOverrides`): the telemetry totals, read in the
-        same call instead of by an eager op after it. Not under
-        low-communication training, whose synchronisation after the call
-        records more."""
-        hetero = self._hetero
-        if hetero.low_communication is not None or not isinstance(
-            hetero.telemetry, telemetry.Telemetry
-        ):
-            return {}
-        return {_TOTALS_KEY: hetero.telemetry.read_totals()}
+        # Called by `_compat.Keras3TrainerOverrides` (Keras 3).
+        return step.train_function_extras(self)
 
-    # --- input and strategy checks ---------------------------------------
+    def _hetero_variables(self):
+        # Called by `_compat.saving`: the state a checkpoint must hold.
+        return runtime.own_variables(self)
 
-    def _check_low_communication(self):
-        """Refuses, before the first step, what low-communication training
-        cannot do."""
-        mode = self._hetero.low_communication
-        low_communication.check_strategy(self.distribute_strategy)
-        if not self.built or not self.trainable_variables:
-            raise ValueError(
-                f"`{self.name}` with `low_communication` must be built before "
-                "`fit`, with trainable weights (they are copied at the start "
-                "of each round); it has "
-                f"{len(self.trainable_variables)}. Give it `keras.Input`, or "
-                "call the model on a batch first."
-            )
-        if self._hetero.loss_scale is not None:
-            raise ValueError(
-                f"`{self.name}` with `low_communication` computes in float16 "
-                "and needs loss scaling, which low-communication training "
-                "does not do (each replica would skip steps on its own). "
-                'Use `precision="mixed_bfloat16"` or float32.'
-            )
-        steps = _compat.steps_per_execution(self)
-        if mode.sync_every % steps:
-            raise ValueError(
-                f"`LowCommunication(sync_every={mode.sync_every})` is not a "
-                f"multiple of `steps_per_execution={steps}`: the replicas "
-                "synchronise between train-function calls. Choose a "
-                "`sync_every` that is a multiple of it."
-            )
+    # --- compile, fit, evaluate, predict (training.fitting) ---------------
 
     def compile(self, *args, **kwargs):
-        self._check_strategy("compile")
-        if self._hetero.low_communication is not None:
+        fitting.check_strategy(self, "compile")
+        settings = self.hetero_settings
+        if settings.low_communication is not None:
             low_communication.check_strategy(self.distribute_strategy)
         super().compile(*args, **kwargs)
         if _compat.is_loss_scale_optimizer(self.optimizer):
@@ -717,16 +273,75 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _compat.skip_optimizer_all_reduce(
             self.optimizer, self.distribute_strategy
         )
-        hetero = self._hetero
         policy = precision_lib.resolve(
-            hetero.precision, self.distribute_strategy
+            settings.precision, self.distribute_strategy
         )
         needs_scaling = precision_lib.check_model(self, policy)
-        hetero.loss_scale = None
+        run = state.run_state(self)
+        run.loss_scale = None
         # Keras 3's `compile(auto_scale_loss=False)`: no loss scaling.
         if needs_scaling and kwargs.get("auto_scale_loss", True):
             with self.distribute_strategy.scope():
-                hetero.loss_scale = loss_scale_lib.DynamicLossScale()
+                run.loss_scale = loss_scale_lib.DynamicLossScale()
+
+    def fit(self, x=None, y=None, *args, **kwargs):
+        return fitting.fit(self, super().fit, x, y, args, kwargs)
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        return fitting.evaluate(self, super().evaluate, x, y, args, kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        return fitting.predict(self, super().predict, x, args, kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        # tf-keras with steps_per_execution > 1 asked its one batch for a
+        # second (`_compat.one_batch_per_call`).
+        with _compat.one_batch_per_call(self, "train"):
+            return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        with _compat.one_batch_per_call(self, "test"):
+            return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, x):
+        with _compat.one_batch_per_call(self, "predict"):
+            outputs = super().predict_on_batch(x)
+        if _distribute.num_workers(self.distribute_strategy) > 1:
+            # Keras 3 gathers every worker's outputs, each of its own batch:
+            # which rows are this worker's is not known here; as Keras.
+            return outputs
+        # Keras 3 with several replicas: each predicted the whole batch.
+        return _compat.one_batch_outputs(self, x, outputs)
+
+    # --- saving (training.runtime) ----------------------------------------
+
+    def save(self, filepath, *args, **kwargs):
+        runtime.warn_unsaved_sums(self, filepath)
+        return super().save(filepath, *args, **kwargs)
+
+    def save_own_variables(self, store):
+        """Saves the model's own variables and the partial gradient sums.
+
+        With `accumulation_steps > 1` the sums of micro-steps that have not
+        made an update yet go into the file too (they are not Keras
+        variables), so a model saved mid-accumulation and loaded goes on
+        exactly as the one that was saved; so does the low-communication
+        state (the anchor and the outer optimizer's state).
+
+        Args:
+            store: The dict-like store Keras saves this model's state in.
+        """
+        super().save_own_variables(store)
+        runtime.save_own_state(self, store)
+
+    def load_own_variables(self, store):
+        """Loads what `save_own_variables` saved.
+
+        Args:
+            store: The dict-like store Keras loads this model's state from.
+        """
+        super().load_own_variables(runtime.keras_entries(store))
+        runtime.load_own_state(self, store)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -780,233 +395,6 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if self.built:
             _compat.build_optimizer(self)
 
-    @property
-    def loss_scale(self):
-        """The current dynamic loss scale (float), or None without float16.
-
-        Set at `compile` when any layer computes in float16: the loss is
-        multiplied by it, and a step whose aggregated gradient is not finite
-        on any replica is skipped everywhere and halves it.
-        """
-        scale = self.__dict__.get("_hetero")
-        scale = None if scale is None else scale.loss_scale
-        return None if scale is None else float(scale.scale.numpy())
-
-    def fit(self, x=None, y=None, *args, **kwargs):
-        # Keras' own file-writing callbacks write from the chief only.
-        undo = keras_callbacks.prepare(self, kwargs.get("callbacks"))
-        try:
-            return self._fit(x, y, *args, **kwargs)
-        finally:
-            undo()
-
-    def _fit(self, x=None, y=None, *args, **kwargs):
-        self._check_strategy("fit")
-        if isinstance(kwargs.get("callbacks"), (list, tuple)):
-            kwargs["callbacks"] = callbacks_base.observers_last(
-                kwargs["callbacks"]
-            )
-        if _distribute.is_parameter_server(self.distribute_strategy):
-            x, kwargs = parameter_server.per_worker_input(
-                x, kwargs, "steps_per_epoch", "validation_steps"
-            )
-            options = parameter_server.fit_arguments("fit", x, y, args, kwargs)
-            runner = self._parameter_server()
-            undo = callbacks_base.prepare_fit(
-                self,
-                parameter_server.ParameterServerInput(runner.num_workers),
-                options.get("callbacks"),
-                options,
-            )
-            try:
-                return runner.fit(**options)
-            finally:
-                undo()
-        converted = arrays.fit_arguments(self, x, y, args, kwargs)
-        if converted is not None:
-            x, y, args, kwargs = converted.pop("x"), None, (), converted
-        dataset = x
-        class_weight = None
-        if isinstance(x, HeteroDataset):
-            # Applied by the HeteroDataset: Keras would `.map` the
-            # distributed dataset, which has no `map`.
-            class_weight = kwargs.pop("class_weight", None)
-            # Global batches keep their order; shuffle the examples instead.
-            kwargs.setdefault("shuffle", False)
-            if _compat.REPEATS_DISTRIBUTED_INPUT:
-                kwargs.setdefault("steps_per_epoch", x.num_batches)
-                if kwargs["steps_per_epoch"] is None:
-                    raise ValueError(
-                        "The examples passed to `kh.data.shard` have an "
-                        "unknown length. Pass `steps_per_epoch=` to `fit` "
-                        "(global batches per epoch) under tf-keras."
-                    )
-        batch_statistics.check_batch_normalization(
-            self, dataset, kwargs.get("callbacks")
-        )
-        batch_statistics.check_microbatch_statistics(self)
-        _compat.fix_synchronized_batch_norm(self)
-        x = self._as_input(
-            x,
-            repeat=_compat.REPEATS_DISTRIBUTED_INPUT,
-            class_weight=class_weight,
-        )
-        validation = kwargs.get("validation_data")
-        if isinstance(validation, HeteroDataset):
-            if _compat.REPEATS_DISTRIBUTED_INPUT:
-                kwargs.setdefault("validation_steps", validation.num_batches)
-            kwargs["validation_data"] = self._as_input(validation)
-        if self._hetero.telemetry is not None:
-            self._hetero.telemetry.reset()
-        undo = callbacks_base.prepare_fit(
-            self, dataset, kwargs.get("callbacks"), kwargs
-        )
-        local = self._local_training() if self.built else None
-        if local is not None:
-            # Evaluation, checkpoints and the end of the epoch see the same
-            # weights on every replica: the round ends early there.
-            callbacks = list(kwargs.get("callbacks") or [])
-            kwargs["callbacks"] = [
-                low_communication.SynchroniseAtEpochEnd(local),
-                *callbacks,
-            ]
-        try:
-            history = super().fit(x, y, *args, **kwargs)
-        finally:
-            undo()
-        if local is not None:
-            local.maybe_synchronise(force=True)
-        return history
-
-    def evaluate(self, x=None, y=None, *args, **kwargs):
-        self._check_strategy("evaluate")
-        if _distribute.is_parameter_server(self.distribute_strategy):
-            x, kwargs = parameter_server.per_worker_input(x, kwargs, "steps")
-            options = parameter_server.fit_arguments(
-                "evaluate", x, y, args, kwargs
-            )
-            return_dict = options.pop("return_dict")
-            logs = self._parameter_server().evaluate(**options)
-            if return_dict:
-                return logs
-            values = list(logs.values())  # loss first, then the metrics
-            return values[0] if len(values) == 1 else values
-        local = self._hetero.__dict__.get("local_training")
-        if local is not None:
-            # The replicas' weights differ until the round ends.
-            local.maybe_synchronise(force=True)
-        converted = arrays.evaluate_arguments(self, x, y, args, kwargs)
-        if converted is not None:
-            x, y, args, kwargs = converted.pop("x"), None, (), converted
-        if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
-            if x.num_batches is not None and not args:
-                kwargs.setdefault("steps", x.num_batches)
-        return super().evaluate(self._as_input(x), y, *args, **kwargs)
-
-    def predict(self, x, *args, **kwargs):
-        self._check_strategy("predict")
-        if _distribute.is_parameter_server(self.distribute_strategy):
-            import inspect
-
-            bound = inspect.signature(keras.Model.predict).bind(
-                None, x, *args, **kwargs
-            )
-            given = {**bound.arguments, **bound.arguments.get("kwargs", {})}
-            return self._parameter_server().predict(
-                x,
-                batch_size=given.get("batch_size"),
-                steps=given.get("steps"),
-            )
-        converted = arrays.predict_arguments(self, x, args, kwargs)
-        if converted is not None:
-            x, args, kwargs = converted.pop("x"), (), converted
-        if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
-            if x.num_batches is not None and not args:
-                kwargs.setdefault("steps", x.num_batches)
-        return super().predict(self._as_input(x), *args, **kwargs)
-
-    def train_on_batch(self, *args, **kwargs):
-        # tf-keras with steps_per_execution > 1 asked its one batch for a
-        # second (`_compat.one_batch_per_call`).
-        with _compat.one_batch_per_call(self, "train"):
-            return super().train_on_batch(*args, **kwargs)
-
-    def test_on_batch(self, *args, **kwargs):
-        with _compat.one_batch_per_call(self, "test"):
-            return super().test_on_batch(*args, **kwargs)
-
-    def predict_on_batch(self, x):
-        with _compat.one_batch_per_call(self, "predict"):
-            outputs = super().predict_on_batch(x)
-        if _distribute.num_workers(self.distribute_strategy) > 1:
-            # Keras 3 gathers every worker's outputs, each of its own batch:
-            # which rows are this worker's is not known here; as Keras.
-            return outputs
-        # Keras 3 with several replicas: each predicted the whole batch.
-        return _compat.one_batch_outputs(self, x, outputs)
-
-    def _check_strategy(self, method):
-        if (
-            method in ("fit", "evaluate")
-            and _compat.jit_compiled(self)
-            and _distribute.cpu_replicas(self.distribute_strategy)
-        ):
-            raise ValueError(
-                f"`{self.name}.{method}()` with `jit_compile=True` under "
-                f"{type(self.distribute_strategy).__name__} with "
-                f"{self.distribute_strategy.num_replicas_in_sync} replicas on "
-                "CPU devices: TensorFlow cannot compile the cross-replica "
-                'all-reduce for CPUs with XLA ("Collectives are not yet '
-                'implemented for CPU devices when compiling with XLA", '
-                "b/194942685). Compile with `jit_compile=False`, or use one "
-                "replica (no strategy, OneDeviceStrategy) or GPUs."
-            )
-        current = tf.distribute.get_strategy()
-        created = _compat.model_strategy(self)
-        if tf.distribute.has_strategy() and current is not created:
-            raise ValueError(
-                f"`{self.name}.{method}()` was called inside the scope of "
-                f"{type(current).__name__}, but the model was created "
-                + (
-                    "outside any strategy scope"
-                    if created is None
-                    else f"under {type(created).__name__}"
-                )
-                + ". Create (and compile) the model inside `with "
-                "strategy.scope():` of the strategy you train with."
-            )
-
-    def _as_input(self, x, repeat=False, class_weight=None):
-        if not isinstance(x, HeteroDataset):
-            return x
-        strategy = self.distribute_strategy
-        if x.strategy is not strategy and type(x.strategy) is type(strategy):
-            raise ValueError(
-                "Invalid value for argument `x`: a HeteroDataset sharded for "
-                f"another {type(strategy).__name__} instance "
-                f"({x.num_replicas} replicas) than the one `{self.name}` runs "
-                f"under ({strategy.num_replicas_in_sync} replicas): the split "
-                "is bound to the strategy object. Pass "
-                "`strategy=model.distribute_strategy` to `kh.data.shard` (or "
-                "call it inside the model's `strategy.scope()`)."
-            )
-        if x.strategy is not strategy:
-            raise ValueError(
-                "Invalid value for argument `x`: a HeteroDataset sharded for "
-                f"{type(x.strategy).__name__} ({x.num_replicas} replicas), "
-                f"but `{self.name}` runs under {type(strategy).__name__} "
-                f"({strategy.num_replicas_in_sync} replicas). Pass "
-                "`strategy=` to `kh.data.shard` (or call it inside the "
-                "model's `strategy.scope()`)."
-            )
-        distributed = x.as_distributed_dataset(
-            repeat=repeat, class_weight=class_weight
-        )
-        if self._hetero.low_communication is not None:
-            # Inner steps run no collective, not even the input's.
-            _compat.without_partial_batch_check(distributed)
-        return distributed
-
     # No `get_config` here: a subclass gets what Keras gives a subclass of
     # `keras.Model` (its own `__init__` arguments, captured when it is
     # made), and HeteroModel's settings are not arguments of its `__init__`
@@ -1024,7 +412,7 @@ class _FunctionalHeteroModel(
         config = _compat.functional_config(
             self, super(HeteroModel, self).get_config
         )
-        config.update(self._hetero.config())
+        config.update(self.hetero_settings.config())
         return config
 
 
@@ -1055,7 +443,7 @@ class _WrappedModel(HeteroModel):
     def get_config(self):
         config = {
             **super().get_config(),
-            **self._hetero.config(),
+            **self.hetero_settings.config(),
             "model": keras.saving.serialize_keras_object(self.wrapped),
         }
         optimizer = getattr(self, "optimizer", None)

@@ -55,11 +55,7 @@ class HeteroSequential(
     """
 
     def __init__(self, layers=None, *args, **kwargs):
-        settings = {
-            name: kwargs.pop(name)
-            for name in options.Settings.DEFAULTS
-            if name in kwargs
-        }
+        settings = options.pop_settings(kwargs)
         # By name: HeteroModel would take two positional arguments for the
         # functional `(inputs, outputs)`.
         bound = _SEQUENTIAL_SIGNATURE.bind(None, layers, *args, **kwargs)
@@ -70,7 +66,7 @@ class HeteroSequential(
     def get_config(self):
         # Sequential's config and HeteroModel's settings (a HeteroModel
         # subclass gets Keras' own config only; the settings are ours).
-        return {**super().get_config(), **self._hetero.config()}
+        return {**super().get_config(), **self.hetero_settings.config()}
 
 
 # Legacy `.h5` files name the class by its bare name.

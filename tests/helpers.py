@@ -9,6 +9,7 @@ import tensorflow as tf
 import keras_hetero as kh
 from keras_hetero import _distribute
 from keras_hetero._compat import keras
+from keras_hetero.training import state
 
 FEATURES = 5
 GLOBAL_BATCH = 16
@@ -213,7 +214,7 @@ def poisoned_model(armed, **kwargs):
 def replica_state(strategy, model):
     """Every local replica's copy of every weight and optimizer variable."""
     _, variables = kh._compat.checkpoint_variables(model)
-    scale = model._hetero.loss_scale.variables
+    scale = state.run_state(model).loss_scale.variables
     variables = [v for v in variables if not any(v is s for s in scale)]
     return [
         np.array(v.numpy())

@@ -65,13 +65,16 @@ def fit_evaluate_save(cluster, events, directory):
 
     import keras_hetero as kh
     from keras_hetero._compat import keras
+    from keras_hetero.training import state
 
     strategy = _strategy(cluster)
     model = _model(strategy)
     before = model.evaluate(_batched, steps=9, return_dict=True, verbose=0)
     history = model.fit(_batched, epochs=2, steps_per_epoch=10, verbose=0)
     stats = model.step_stats
-    per_worker = model._hetero.parameter_server.telemetry.steps_per_worker
+    per_worker = state.run_state(
+        model
+    ).parameter_server.telemetry.steps_per_worker
     evaluation = model.evaluate(_batched, steps=9, return_dict=True, verbose=0)
     as_list = model.evaluate(_batched, steps=2, verbose=0)
     x, _, _, _ = helpers.arrays(rows=8)
@@ -104,6 +107,7 @@ def sharded_input(cluster, events):
     import helpers
 
     import keras_hetero as kh
+    from keras_hetero.training import state
 
     strategy = _strategy(cluster)
     model = _model(strategy)
@@ -115,7 +119,7 @@ def sharded_input(cluster, events):
 
     before = model.evaluate(dataset(), return_dict=True, verbose=0)
     history = model.fit(dataset(), epochs=3, verbose=0)
-    telemetry = model._hetero.parameter_server.telemetry
+    telemetry = state.run_state(model).parameter_server.telemetry
     after = model.evaluate(dataset(), return_dict=True, verbose=0)
     return {
         "loss": history.history["loss"],
@@ -130,6 +134,7 @@ def sharded_input(cluster, events):
 def slow_worker(cluster, events):
     """Worker 1 is 20x slower (simulated): flagged, and does fewer steps."""
     import keras_hetero as kh
+    from keras_hetero.training import state
 
     strategy = _strategy(cluster)
     model = _model(
@@ -140,7 +145,7 @@ def slow_worker(cluster, events):
     model.fit(
         _batched, epochs=1, steps_per_epoch=60, verbose=0, callbacks=[detector]
     )
-    telemetry = model._hetero.parameter_server.telemetry
+    telemetry = state.run_state(model).parameter_server.telemetry
     per_worker = telemetry.steps_per_worker
     return {
         "seconds_per_worker": telemetry.seconds_per_worker.tolist(),
@@ -160,6 +165,7 @@ def _fault_at_step_8(cluster, events, ask, steps_per_epoch, slow):
     import time
 
     from keras_hetero._compat import keras
+    from keras_hetero.training import runtime
 
     strategy = _strategy(cluster)
     model = _model(strategy, slow=slow)
@@ -185,7 +191,7 @@ def _fault_at_step_8(cluster, events, ask, steps_per_epoch, slow):
                 events.get(timeout=120)  # the worker is back
                 time.sleep(3)  # the coordinator reconnects to it
 
-    runner = model._parameter_server()
+    runner = runtime.parameter_server(model)
     history = model.fit(
         _batched,
         epochs=2,

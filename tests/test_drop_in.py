@@ -462,7 +462,7 @@ def test_subclass_passing_settings_on_keeps_them_in_config():
 
     model = Passing(3, accumulation_steps=2)
     clone = Passing.from_config(model.get_config())
-    assert clone._hetero.accumulation_steps == 2
+    assert clone.hetero_settings.accumulation_steps == 2
     assert Passing(3).get_config().get("accumulation_steps", 1) == 1
 
 
@@ -473,7 +473,7 @@ def test_functional_config_round_trip_keeps_the_settings(through):
     model = kh.HeteroModel(*helpers.layers(), accumulation_steps=3)
     cls = kh.HeteroModel if through == "HeteroModel" else type(model)
     clone = cls.from_config(model.get_config())
-    assert clone._hetero.accumulation_steps == 3
+    assert clone.hetero_settings.accumulation_steps == 3
     assert clone.get_config() == model.get_config() | {"name": clone.name}
 
 

@@ -13,6 +13,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
+from keras_hetero.training import state
 
 ROWS = 64  # 4 micro-steps of 16 per epoch: 2 updates of 32 rows at k = 2.
 
@@ -79,7 +80,7 @@ def test_accumulation_applies_only_on_the_kth_micro_step():
             seen.append(
                 (
                     int(model.optimizer.iterations.numpy()),
-                    float(model._hetero.accumulator.rows.numpy()),
+                    float(state.run_state(model).accumulator.rows.numpy()),
                 )
             )
 
@@ -114,7 +115,7 @@ def test_overflow_in_one_micro_step_skips_the_whole_update(mixed_float16):
             history.append(
                 (
                     int(model.optimizer.iterations.numpy()),
-                    int(model._hetero.loss_scale.skipped.numpy()),
+                    int(state.run_state(model).loss_scale.skipped.numpy()),
                     model.loss_scale,
                     [w.copy() for w in model.get_weights()],
                 )
@@ -271,7 +272,7 @@ def test_telemetry_added_once_per_step_and_exact_with_three_replicas():
     stats = model.step_stats
     assert stats.step == steps and stats.steps == 1
     assert np.all(stats.compute_seconds > 0)
-    copies = model._hetero.telemetry.totals.values
+    copies = state.run_state(model).telemetry.totals.values
     assert copies[0].numpy()[0] == steps
     assert not np.any(copies[1].numpy()) and not np.any(copies[2].numpy())
 

@@ -14,6 +14,7 @@ from conftest import DEVICES
 
 import keras_hetero as kh
 from keras_hetero._compat import keras
+from keras_hetero.training import runtime
 
 SHARES = [0.75, 0.25]
 
@@ -191,7 +192,7 @@ def test_replicas_train_apart_between_synchronisations_without_collectives(
     strategy = helpers.mirrored(DEVICES[:2])
     model = _model(strategy, kh.LowCommunication(3))
     watch = _ReplicaWeights()
-    local = model._local_training()
+    local = runtime.local_training(model)
     synchronise = local._synchronise
 
     def marked(*args):
@@ -263,15 +264,17 @@ def test_config_and_keras_file_keep_the_mode_and_the_outer_state(tmp_path):
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.saving.load_model(path)
-    assert isinstance(loaded._hetero.low_communication, kh.LowCommunication)
-    restored = loaded._hetero.low_communication
+    assert isinstance(
+        loaded.hetero_settings.low_communication, kh.LowCommunication
+    )
+    restored = loaded.hetero_settings.low_communication
     assert (restored.sync_every, restored.compression) == (2, "bf16")
     outer = restored.outer_optimizer()
     assert isinstance(outer, keras.optimizers.SGD)
     assert outer.nesterov and np.isclose(float(outer.momentum), 0.9)
     helpers.assert_weights_close(loaded.get_weights(), model.get_weights())
     clone = kh.HeteroModel.from_config(model.get_config())
-    assert clone._hetero.low_communication.sync_every == 2
+    assert clone.hetero_settings.low_communication.sync_every == 2
 
 
 @pytest.mark.parametrize(

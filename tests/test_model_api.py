@@ -438,6 +438,45 @@ def test_bad_model_arguments(kwargs, error, match):
         kh.HeteroModel(*helpers.layers(), **kwargs)
 
 
+def test_settings_are_one_immutable_definition():
+    """`HeteroModel`'s keyword arguments, `HeteroSequential`'s, the
+    settings object and the docstring name the same settings; the object
+    is read-only and rides along in the config."""
+    import dataclasses
+    import inspect
+
+    from keras_hetero.training import options
+
+    keyword_only = [
+        name
+        for name, parameter in inspect.signature(
+            kh.HeteroModel.__init__
+        ).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    assert tuple(keyword_only) == options.NAMES
+    for name in options.NAMES:
+        assert f"        {name}:" in kh.HeteroModel.__doc__, name
+        default = inspect.signature(kh.HeteroModel.__init__).parameters[name]
+        assert default.default == getattr(options.Settings(), name)
+    model = kh.HeteroModel(*helpers.layers(), accumulation_steps=3)
+    settings = model.hetero_settings
+    assert settings.accumulation_steps == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.accumulation_steps = 1
+    config = model.get_config()
+    assert {name: config[name] for name in options.SERIALISED} == (
+        settings.config()
+    )
+    assert "communication" not in config
+    clone = kh.HeteroModel.from_config(config)
+    assert clone.hetero_settings == settings
+    sequential = kh.HeteroSequential(
+        [keras.layers.Dense(1)], accumulation_steps=2
+    )
+    assert sequential.hetero_settings.accumulation_steps == 2
+
+
 @pytest.mark.parametrize("global_batch_size", [1, 0, 2.5, "16", True], ids=str)
 def test_global_batch_smaller_than_replicas_or_not_an_int(global_batch_size):
     strategy = helpers.mirrored(DEVICES[:2])

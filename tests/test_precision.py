@@ -10,6 +10,7 @@ from conftest import DEVICES
 import keras_hetero as kh
 from keras_hetero import precision
 from keras_hetero._compat import keras
+from keras_hetero.training import state
 
 
 def test_inf_on_one_replica_skips_the_step_everywhere(mixed_float16):
@@ -34,7 +35,7 @@ def test_inf_on_one_replica_skips_the_step_everywhere(mixed_float16):
     assert all(np.all(np.isfinite(v)) for v in probe["next"])
     # 5 batches; skipped ones (ours, and any natural overflow while the
     # scale finds its level) did not count as optimizer steps.
-    skipped = int(model._hetero.loss_scale.skipped.numpy())
+    skipped = int(state.run_state(model).loss_scale.skipped.numpy())
     assert skipped >= 1
     assert int(model.optimizer.iterations.numpy()) == 5 - skipped
 
@@ -50,7 +51,7 @@ def test_float16_training_matches_float32_closely(mixed_float16):
     )
     history = model.fit(data, epochs=2, verbose=0)
     _, reference = helpers.reference_fit()
-    skipped = int(model._hetero.loss_scale.skipped.numpy())
+    skipped = int(state.run_state(model).loss_scale.skipped.numpy())
     # Each overflow (the first steps, while the scale finds its level)
     # halved the scale and skipped that step everywhere.
     assert model.loss_scale == 2.0**15 / 2**skipped

@@ -12,6 +12,7 @@ from conftest import DEVICES
 
 import keras_hetero as kh
 from keras_hetero._compat import keras
+from keras_hetero.training import state
 
 SHARES = [0.75, 0.25]
 
@@ -45,12 +46,12 @@ def test_keras_file_saved_mid_accumulation_goes_on_exactly(tmp_path):
     with strategy.scope():
         model = helpers.hetero_model(accumulation_steps=3)
     model.fit(_data(strategy), epochs=1, verbose=0)
-    assert int(model._hetero.accumulator.count.numpy()) == 2
+    assert int(state.run_state(model).accumulator.count.numpy()) == 2
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
     with strategy.scope():
         loaded = keras.saving.load_model(path)
-    assert int(loaded._hetero.accumulator.count.numpy()) == 2
+    assert int(state.run_state(loaded).accumulator.count.numpy()) == 2
     _assert_same_state(_state(loaded), _state(model))
 
     model.fit(_data(strategy), epochs=1, verbose=0)
@@ -105,7 +106,7 @@ def test_elastic_checkpoint_resumes_mid_accumulation_exactly(tmp_path):
             _StopAfter(4),
         ],
     )
-    assert int(first._hetero.accumulator.count.numpy()) == 1
+    assert int(state.run_state(first).accumulator.count.numpy()) == 1
 
     keras.utils.set_random_seed(11)  # other initial weights
     with strategy.scope():
@@ -124,8 +125,8 @@ def test_elastic_checkpoint_resumes_mid_accumulation_exactly(tmp_path):
     assert int(resumed.optimizer.iterations.numpy()) == 3
     _assert_same_state(_state(resumed), _state(uninterrupted))
     np.testing.assert_allclose(
-        resumed._hetero.accumulator.count.numpy(),
-        uninterrupted._hetero.accumulator.count.numpy(),
+        state.run_state(resumed).accumulator.count.numpy(),
+        state.run_state(uninterrupted).accumulator.count.numpy(),
     )
 
 

@@ -186,6 +186,7 @@ def poisoned_mwms():
 
     import keras_hetero as kh
     from keras_hetero._compat import keras
+    from keras_hetero.training import state
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -207,7 +208,7 @@ def poisoned_mwms():
         "finite": all(np.all(np.isfinite(v)) for v in probe["next"]),
         "scales": (probe["scale_before"], probe["scale_after"]),
         "iterations": int(model.optimizer.iterations.numpy()),
-        "skipped": int(model._hetero.loss_scale.skipped.numpy()),
+        "skipped": int(state.run_state(model).loss_scale.skipped.numpy()),
     }
 
 
@@ -342,6 +343,7 @@ def low_communication_mwms(shares, sync_every, outer_sgd_1=False, spe=1):
 
     import keras_hetero as kh
     from keras_hetero._compat import keras
+    from keras_hetero.training import runtime
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     outer = keras.optimizers.SGD(1.0) if outer_sgd_1 else None
@@ -393,7 +395,7 @@ def low_communication_mwms(shares, sync_every, outer_sgd_1=False, spe=1):
         "rows": stats.rows,
         "steps": stats.measured_steps,
         "synchronisations": int(
-            model._local_training().synchronisations.numpy()
+            runtime.local_training(model).synchronisations.numpy()
         ),
     }
 

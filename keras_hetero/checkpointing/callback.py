@@ -20,6 +20,8 @@ from keras_hetero.checkpointing import storage
 from keras_hetero.data import reproducibility
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import mechanism_before_record
+from keras_hetero.training import runtime
+from keras_hetero.training import state
 from keras_hetero.training.parameter_server import ParameterServerInput
 
 logger = logging.getLogger("keras_hetero")
@@ -897,7 +899,6 @@ def _check_directory(directory, write):
 
 def _local_training(model):
     """The model's low-communication state (`kh.LowCommunication`), or None."""
-    local_training = getattr(model, "_local_training", None)
-    if local_training is None or not getattr(model, "built", False):
-        return None
-    return local_training()
+    if state.run_state(model) is None or not getattr(model, "built", False):
+        return None  # not a HeteroModel, or not built yet
+    return runtime.local_training(model)

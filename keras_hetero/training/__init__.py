@@ -1,18 +1,24 @@
-"""The training step's stages, in the order `HeteroModel.train_step` runs
-them (the step itself is in `keras_hetero/model.py`):
+"""HeteroModel's training machinery; `keras_hetero/model.py` holds the class
+and its Keras surface, each method a call into a module here.
 
-1. `precision` (top-level `keras_hetero.precision`): which dtype each layer
-   computes in; `loss_scale`: the loss scale of float16 training.
-2. Forward pass and loss x rows per replica (`HeteroModel.train_step`).
-3. `aggregation`: per-replica gradients -> exact global gradient (sum of
-   rows x mean, divided by the global rows), compressed on the wire if
-   asked, clipped after aggregation.
-4. `accumulation`: sums over `accumulation_steps` micro-steps;
-   `loss_scale.guarded_apply`: the guarded apply (skipped everywhere when a
-   replica's gradient is not finite).
-5. `telemetry`: per-replica rows and seconds -> `StepStats`.
-
-`parameter_server` runs the same step under ParameterServerStrategy (one
-closure per worker), and `keras_callbacks` makes Keras' own file-writing
-callbacks write from the chief only under multi-worker Keras 3.
+- `step`: the train and test steps, read top to bottom in data order (the
+  synchronous step and the low-communication inner step beside it), and
+  the host-side wrapper of Keras' train function.
+- The step's stages: `precision` (top-level `keras_hetero.precision`) and
+  `loss_scale` (float16); `aggregation` (per-replica gradients -> the
+  exact global gradient, compressed on the wire if asked, clipped after
+  aggregation); `accumulation` (sums over `accumulation_steps`
+  micro-steps); `telemetry` (per-replica rows and seconds ->
+  `StepStats`; the device-exact clock) and `clock_check` (whether those
+  readings mean anything).
+- `fitting`: what `fit` / `evaluate` / `predict` do around Keras' own;
+  `parameter_server`: the same three under ParameterServerStrategy (one
+  closure per worker); `keras_callbacks`: Keras' own file-writing
+  callbacks write from the chief only under multi-worker Keras 3;
+  `batch_statistics`: what `fit` warns about batch normalisation.
+- `options.Settings`: the model's settings, defined once (immutable);
+  `state`: the one way the package reaches a model's settings and
+  run-time state; `runtime`: creates that state when first needed and
+  saves / loads the part a `.keras` file holds.
+- `low_communication`: local steps and the periodic synchronisation.
 """

@@ -19,6 +19,8 @@ import tensorflow as tf
 from keras_hetero import _distribute
 
 WIRE_DTYPES = {"fp16": tf.float16, "bf16": tf.bfloat16}
+# `HeteroModel(gradient_compression=...)`'s values.
+COMPRESSIONS = (None, *WIRE_DTYPES)
 
 # Gradient elements up to which `aggregate` packs one vector itself. Above
 # it the collective's own packing and a division per gradient were faster:

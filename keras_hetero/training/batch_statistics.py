@@ -6,10 +6,11 @@ import warnings
 
 import numpy as np
 
+from keras_hetero import _callback_protocol
 from keras_hetero import _compat
 from keras_hetero._compat import keras
-from keras_hetero.callbacks import base as callbacks_base
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import state
 
 
 def check_batch_normalization(model, dataset, callbacks):
@@ -40,7 +41,7 @@ def check_batch_normalization(model, dataset, callbacks):
             f"their statistics would be NaN and poison the weights. {fix}"
         )
     moving = any(
-        isinstance(c, callbacks_base.HeteroCallback) and c.changes_shares
+        isinstance(c, _callback_protocol.HeteroCallback) and c.changes_shares
         for c in callbacks or ()
     )
     if moving or not np.allclose(shares, shares[0]):
@@ -55,7 +56,7 @@ def check_batch_normalization(model, dataset, callbacks):
 
 def check_microbatch_statistics(model):
     """Batch statistics see micro-batches under `pipeline_microbatches`."""
-    count = model._hetero.pipeline_microbatches
+    count = state.settings(model).pipeline_microbatches
     if count == 1:
         return
     names = [

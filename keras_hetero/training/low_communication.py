@@ -28,9 +28,11 @@ from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
+from keras_hetero.training import state
 from keras_hetero.training.telemetry import clock
 
-COMPRESSIONS = (None, "fp16", "bf16", "int8")
+# The gradients' wire dtypes, and int8 (the pseudo-gradient only).
+COMPRESSIONS = (*aggregation.COMPRESSIONS, "int8")
 
 
 class LowCommunication:
@@ -74,8 +76,8 @@ class LowCommunication:
         if compression not in COMPRESSIONS:
             raise ValueError(
                 "Invalid value for argument `compression`. Received: "
-                f'compression={compression!r}. Expected None, "fp16", '
-                '"bf16" or "int8".'
+                f"compression={compression!r}. Expected one of "
+                f"{COMPRESSIONS}."
             )
         self.compression = compression
         if outer_optimizer is None:
@@ -222,7 +224,7 @@ class LocalTraining:
             self.steps.assign_add(1),
             self.round_stats.assign_add(stats),
         ]
-        telemetry = self.model._hetero.telemetry
+        telemetry = state.run_state(self.model).telemetry
         if telemetry is not None:
             updates.append(telemetry.count_step())
         return updates
@@ -316,21 +318,21 @@ class LocalTraining:
             )
         head = context.all_reduce(tf.distribute.ReduceOp.SUM, payload)
         wait = clock(head) - arrived
-        telemetry = self.model._hetero.telemetry
+        telemetry = state.run_state(self.model).telemetry
         if telemetry is not None:
             # The round's steps, every replica's rows, seconds, last waits.
             telemetry.record(head[2:], steps=tf.cast(self.steps, tf.float64))
         share = tf.math.divide_no_nan(rows, head[0])
         pseudo = self._sum(context, [delta * share for delta in deltas])
         pseudo = [tf.cast(p, w.dtype) for p, w in zip(pseudo, weights)]
-        state = self._averaged()
+        moving = self._averaged()
         averaged = []
-        if state:
+        if moving:
             sums = context.all_reduce(
                 tf.distribute.ReduceOp.SUM,
-                [tf.cast(v, tf.float32) * share for v in state],
+                [tf.cast(v, tf.float32) * share for v in moving],
             )
-            averaged = [tf.cast(a, v.dtype) for a, v in zip(sums, state)]
+            averaged = [tf.cast(a, v.dtype) for a, v in zip(sums, moving)]
         with tf.control_dependencies(
             [self.last_wait.assign(tf.cast(wait, tf.float32))]
         ):
@@ -408,6 +410,42 @@ class LocalTraining:
                 copy.assign(array[replica])
 
 
+def check_model(model):
+    """Refuses, before the first step, what low-communication training
+    cannot do with `model` (a HeteroModel with `low_communication`).
+
+    Raises:
+        ValueError: For a model without weights yet, float16 loss scaling,
+            or a `sync_every` that is not a multiple of
+            `steps_per_execution`.
+    """
+    mode = state.settings(model).low_communication
+    check_strategy(model.distribute_strategy)
+    if not model.built or not model.trainable_variables:
+        raise ValueError(
+            f"`{model.name}` with `low_communication` must be built before "
+            "`fit`, with trainable weights (they are copied at the start "
+            "of each round); it has "
+            f"{len(model.trainable_variables)}. Give it `keras.Input`, or "
+            "call the model on a batch first."
+        )
+    if state.run_state(model).loss_scale is not None:
+        raise ValueError(
+            f"`{model.name}` with `low_communication` computes in float16 "
+            "and needs loss scaling, which low-communication training "
+            "does not do (each replica would skip steps on its own). "
+            'Use `precision="mixed_bfloat16"` or float32.'
+        )
+    steps = _compat.steps_per_execution(model)
+    if mode.sync_every % steps:
+        raise ValueError(
+            f"`LowCommunication(sync_every={mode.sync_every})` is not a "
+            f"multiple of `steps_per_execution={steps}`: the replicas "
+            "synchronise between train-function calls. Choose a "
+            "`sync_every` that is a multiple of it."
+        )
+
+
 def _int8_sum(context, tensors):
     """SUM across replicas of int8-quantised tensors (per-tensor scale).
 
@@ -460,6 +498,6 @@ class SynchroniseAtEpochEnd(keras.callbacks.Callback):
             # The round's numbers belong to this epoch (a rebalancer counts
             # batches per pass of the input); callbacks after this one see
             # them at `on_epoch_end`, the next batch starts from zero.
-            telemetry = self.local.model._hetero.telemetry
+            telemetry = state.run_state(self.local.model).telemetry
             if telemetry is not None:
                 telemetry.snapshot()

@@ -1,5 +1,9 @@
 """HeteroModel's settings: what `HeteroModel(...)` takes besides Keras'
-arguments, their checks, and how they ride along in a model's config."""
+arguments, defined once (`Settings`): their defaults, their checks and how
+they ride along in a model's config. What a model makes while it runs
+(telemetry, loss scale, ...) is `training.state.RunState`, not here."""
+
+import dataclasses
 
 import tensorflow as tf
 
@@ -7,97 +11,89 @@ from keras_hetero import precision as precision_lib
 from keras_hetero._checks import check_int
 from keras_hetero.training import aggregation
 from keras_hetero.training import low_communication as low_communication_lib
+from keras_hetero.training import state
 
 # `tf.distribute.experimental.CommunicationOptions` is a factory; this is
 # the class of what it returns.
 _COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
 
 
-def split_settings(config):
-    """`(config without HeteroModel's settings, those settings)`."""
-    config = dict(config)
-    settings = {
-        name: config.pop(name) for name in Settings.SERIALISED if name in config
-    }
-    return config, settings
-
-
-def set_settings(model, settings):
-    """Gives a model made by Keras' `from_config` the saved settings."""
-    settings = {**Settings.DEFAULTS, **settings}
-    settings["low_communication"] = from_config_value(
-        settings["low_communication"]
-    )
-    check_options(**settings)
-    model._hetero = Settings(**settings)
-
-
-def from_config_value(low_communication):
-    """A `LowCommunication` from its config dict (as a model config holds
-    it); anything else unchanged."""
-    if isinstance(low_communication, dict):
-        return low_communication_lib.LowCommunication.from_config(
-            low_communication
-        )
-    return low_communication
-
-
+@dataclasses.dataclass(frozen=True)
 class Settings:
-    """A HeteroModel's settings and run-time objects (telemetry, loss scale,
-    accumulator, parameter-server runner), kept out of Keras tracking."""
+    """A HeteroModel's settings, checked when made; immutable.
 
-    DEFAULTS = {
-        "precision": None,
-        "gradient_compression": None,
-        "accumulation_steps": 1,
-        "pipeline_microbatches": 1,
-        "communication": None,
-        "global_clipnorm": None,
-        "low_communication": None,
-    }
-    # CommunicationOptions is not serialisable; it is a run-time choice.
-    SERIALISED = tuple(name for name in DEFAULTS if name != "communication")
+    The fields are `kh.HeteroModel`'s keyword arguments (documented
+    there), with their defaults. `HeteroSequential` takes the same names,
+    a model's config carries all of them but `communication` (a run-time
+    choice, not serialisable), and `HeteroModel.hetero_settings` returns
+    this object.
 
-    def __init__(self, **settings):
-        self.settings = settings
-        for name, value in settings.items():
-            setattr(self, name, value)
-        self.telemetry = None
-        self.loss_scale = None
-        self.accumulator = None
-        self.parameter_server = None
-        self.local_training = None
+    Raises:
+        ValueError: For an unknown `precision` or `gradient_compression`,
+            `accumulation_steps` or `pipeline_microbatches` below 1, a
+            `global_clipnorm` that is not positive, or `low_communication`
+            with `accumulation_steps` or `gradient_compression`.
+        TypeError: If `communication` is not `CommunicationOptions`, or
+            `low_communication` not a `kh.LowCommunication` (or its config).
+
+    Example:
+
+    >>> settings = Settings(accumulation_steps=2)
+    >>> settings.config()["accumulation_steps"]
+    2
+    """
+
+    precision: str | None = None
+    gradient_compression: str | None = None
+    accumulation_steps: int = 1
+    pipeline_microbatches: int = 1
+    communication: object = None
+    global_clipnorm: float | None = None
+    low_communication: object = None
+
+    def __post_init__(self):
+        if isinstance(self.low_communication, dict):  # from a config
+            object.__setattr__(
+                self,
+                "low_communication",
+                low_communication_lib.LowCommunication.from_config(
+                    self.low_communication
+                ),
+            )
+        _check(self)
 
     def config(self):
-        config = {name: self.settings[name] for name in self.SERIALISED}
-        if config["low_communication"] is not None:
-            config["low_communication"] = config[
-                "low_communication"
-            ].get_config()
+        """The serialisable settings, as a model's config holds them."""
+        config = {name: getattr(self, name) for name in SERIALISED}
+        if self.low_communication is not None:
+            config["low_communication"] = self.low_communication.get_config()
         return config
 
 
-def check_options(
-    precision,
-    gradient_compression,
-    accumulation_steps,
-    pipeline_microbatches,
-    communication,
-    global_clipnorm,
-    low_communication=None,
-):
-    precision_lib.check_precision(precision)
-    if gradient_compression not in (None, *aggregation.WIRE_DTYPES):
+# The settings' names, in `HeteroModel`'s signature order.
+NAMES = tuple(field.name for field in dataclasses.fields(Settings))
+# CommunicationOptions is not serialisable; it is a run-time choice.
+SERIALISED = tuple(name for name in NAMES if name != "communication")
+
+
+def pop_settings(mapping):
+    """Takes the settings' names out of `mapping` (a dict of keyword
+    arguments or a config) and returns them as a dict."""
+    return {name: mapping.pop(name) for name in NAMES if name in mapping}
+
+
+def _check(settings):
+    precision_lib.check_precision(settings.precision)
+    compression = settings.gradient_compression
+    if compression not in aggregation.COMPRESSIONS:
         raise ValueError(
             "Invalid value for argument `gradient_compression`. Received: "
-            f"gradient_compression={gradient_compression!r}. Expected None, "
-            '"fp16" or "bf16".'
+            f"gradient_compression={compression!r}. Expected one of "
+            f"{aggregation.COMPRESSIONS}."
         )
-    for name, value in (
-        ("accumulation_steps", accumulation_steps),
-        ("pipeline_microbatches", pipeline_microbatches),
-    ):
-        check_int(name, value)
+    check_int("accumulation_steps", settings.accumulation_steps)
+    check_int("pipeline_microbatches", settings.pipeline_microbatches)
+    communication = settings.communication
     if communication is not None and not isinstance(
         communication, _COMMUNICATION_OPTIONS
     ):
@@ -106,16 +102,18 @@ def check_options(
             f"communication={communication!r}. Expected a "
             "`tf.distribute.experimental.CommunicationOptions` or None."
         )
-    if global_clipnorm is not None and not (
-        isinstance(global_clipnorm, (int, float))
-        and not isinstance(global_clipnorm, bool)
-        and global_clipnorm > 0
+    clipnorm = settings.global_clipnorm
+    if clipnorm is not None and not (
+        isinstance(clipnorm, (int, float))
+        and not isinstance(clipnorm, bool)
+        and clipnorm > 0
     ):
         raise ValueError(
             "Invalid value for argument `global_clipnorm`. Received: "
-            f"global_clipnorm={global_clipnorm!r}. Expected a positive number "
+            f"global_clipnorm={clipnorm!r}. Expected a positive number "
             "or None."
         )
+    low_communication = settings.low_communication
     if low_communication is None:
         return
     if not isinstance(
@@ -126,10 +124,11 @@ def check_options(
             f"low_communication={low_communication!r}. Expected a "
             "`kh.LowCommunication` or None."
         )
-    for name, value, default in (
-        ("accumulation_steps", accumulation_steps, 1),
-        ("gradient_compression", gradient_compression, None),
+    for name, default in (
+        ("accumulation_steps", 1),
+        ("gradient_compression", None),
     ):
+        value = getattr(settings, name)
         if value != default:
             raise ValueError(
                 f"`low_communication` and `{name}={value!r}` do not combine: "
@@ -151,7 +150,8 @@ class SettingsInConfig:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config, settings = split_settings(config)
+        config = dict(config)
+        settings = Settings(**pop_settings(config))
         model = super().from_config(config, custom_objects=custom_objects)
-        set_settings(model, settings)
+        state.set_settings(model, settings)
         return model

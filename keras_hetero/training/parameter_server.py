@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_hetero import _batches
+from keras_hetero import _callback_protocol
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
@@ -384,7 +385,6 @@ def fit_arguments(method, x, y, args, kwargs):
     Raises:
         ValueError: For arguments that have no meaning there.
     """
-    import inspect
 
     bound = inspect.signature(getattr(keras.Model, method)).bind(
         None, x, y, *args, **kwargs
@@ -453,3 +453,58 @@ def per_worker_input(x, kwargs, steps, validation_steps=None):
             kwargs[validation_steps] = validation.num_batches
         kwargs["validation_data"] = validation.parameter_server_dataset()
     return x, kwargs
+
+
+# --- `HeteroModel.fit` / `evaluate` / `predict` under the strategy ---------
+
+
+def fit(runner, x, y, args, kwargs):
+    """`model.fit(x, y, *args, **kwargs)` through `runner` (the model's
+    ParameterServerRunner), with keras-hetero's callbacks prepared.
+
+    Raises:
+        ValueError: For `fit` arguments that have no meaning there.
+    """
+    x, kwargs = per_worker_input(
+        x, kwargs, "steps_per_epoch", "validation_steps"
+    )
+    options = fit_arguments("fit", x, y, args, kwargs)
+    undo = _callback_protocol.prepare_fit(
+        runner.model,
+        ParameterServerInput(runner.num_workers),
+        options.get("callbacks"),
+        options,
+    )
+    try:
+        return runner.fit(**options)
+    finally:
+        undo()
+
+
+def evaluate(runner, x, y, args, kwargs):
+    """`model.evaluate(x, y, *args, **kwargs)` through `runner`: the loss
+    and metrics as `keras.Model.evaluate` returns them.
+
+    Raises:
+        ValueError: For `evaluate` arguments that have no meaning there.
+    """
+    x, kwargs = per_worker_input(x, kwargs, "steps")
+    options = fit_arguments("evaluate", x, y, args, kwargs)
+    return_dict = options.pop("return_dict")
+    logs = runner.evaluate(**options)
+    if return_dict:
+        return logs
+    values = list(logs.values())  # loss first, then the metrics
+    return values[0] if len(values) == 1 else values
+
+
+def predict(runner, x, args, kwargs):
+    """`model.predict(x, *args, **kwargs)` through `runner` (batch size and
+    steps honoured, on the coordinator)."""
+    bound = inspect.signature(keras.Model.predict).bind(
+        None, x, *args, **kwargs
+    )
+    given = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+    return runner.predict(
+        x, batch_size=given.get("batch_size"), steps=given.get("steps")
+    )

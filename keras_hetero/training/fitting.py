@@ -1,0 +1,219 @@
+"""What `HeteroModel.fit`, `evaluate` and `predict` do around Keras' own:
+the strategy checks, arrays and `kh.data.shard` datasets turned into what
+Keras takes, keras-hetero's callbacks prepared, low-communication rounds
+ended where every replica must hold the same weights. Under
+ParameterServerStrategy each goes to `training.parameter_server` instead.
+
+Each function takes the model and Keras' own method (`super().fit` and so
+on) and returns what that returns.
+"""
+
+import tensorflow as tf
+
+from keras_hetero import _callback_protocol
+from keras_hetero import _compat
+from keras_hetero import _distribute
+from keras_hetero.data import arrays
+from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import batch_statistics
+from keras_hetero.training import keras_callbacks
+from keras_hetero.training import low_communication
+from keras_hetero.training import parameter_server
+from keras_hetero.training import runtime
+from keras_hetero.training import state
+
+
+def fit(model, keras_fit, x, y, args, kwargs):
+    """`model.fit(x, y, *args, **kwargs)`, Keras' `fit` being `keras_fit`."""
+    check_strategy(model, "fit")
+    # Keras' own file-writing callbacks write from the chief only.
+    undo_keras = keras_callbacks.prepare(model, kwargs.get("callbacks"))
+    try:
+        if isinstance(kwargs.get("callbacks"), (list, tuple)):
+            kwargs["callbacks"] = _callback_protocol.observers_last(
+                kwargs["callbacks"]
+            )
+        if _distribute.is_parameter_server(model.distribute_strategy):
+            return parameter_server.fit(
+                runtime.parameter_server(model), x, y, args, kwargs
+            )
+        return _fit(model, keras_fit, x, y, args, kwargs)
+    finally:
+        undo_keras()
+
+
+def _fit(model, keras_fit, x, y, args, kwargs):
+    converted = arrays.fit_arguments(model, x, y, args, kwargs)
+    if converted is not None:
+        x, y, args, kwargs = converted.pop("x"), None, (), converted
+    dataset = x
+    class_weight = None
+    if isinstance(x, HeteroDataset):
+        # Applied by the HeteroDataset: Keras would `.map` the distributed
+        # dataset, which has no `map`.
+        class_weight = kwargs.pop("class_weight", None)
+        # Global batches keep their order; shuffle the examples instead.
+        kwargs.setdefault("shuffle", False)
+        if _compat.REPEATS_DISTRIBUTED_INPUT:
+            kwargs.setdefault("steps_per_epoch", x.num_batches)
+            if kwargs["steps_per_epoch"] is None:
+                raise ValueError(
+                    "The examples passed to `kh.data.shard` have an unknown "
+                    "length. Pass `steps_per_epoch=` to `fit` (global "
+                    "batches per epoch) under tf-keras."
+                )
+    batch_statistics.check_batch_normalization(
+        model, dataset, kwargs.get("callbacks")
+    )
+    batch_statistics.check_microbatch_statistics(model)
+    _compat.fix_synchronized_batch_norm(model)
+    x = as_input(
+        model,
+        x,
+        repeat=_compat.REPEATS_DISTRIBUTED_INPUT,
+        class_weight=class_weight,
+    )
+    validation = kwargs.get("validation_data")
+    if isinstance(validation, HeteroDataset):
+        if _compat.REPEATS_DISTRIBUTED_INPUT:
+            kwargs.setdefault("validation_steps", validation.num_batches)
+        kwargs["validation_data"] = as_input(model, validation)
+    run = state.run_state(model)
+    if run.telemetry is not None:
+        run.telemetry.reset()
+    undo = _callback_protocol.prepare_fit(
+        model, dataset, kwargs.get("callbacks"), kwargs
+    )
+    local = runtime.local_training(model) if model.built else None
+    if local is not None:
+        # Evaluation, checkpoints and the end of the epoch see the same
+        # weights on every replica: the round ends early there.
+        kwargs["callbacks"] = [
+            low_communication.SynchroniseAtEpochEnd(local),
+            *list(kwargs.get("callbacks") or []),
+        ]
+    try:
+        history = keras_fit(x, y, *args, **kwargs)
+    finally:
+        undo()
+    if local is not None:
+        local.maybe_synchronise(force=True)
+    return history
+
+
+def evaluate(model, keras_evaluate, x, y, args, kwargs):
+    """`model.evaluate(...)`, Keras' `evaluate` being `keras_evaluate`."""
+    check_strategy(model, "evaluate")
+    if _distribute.is_parameter_server(model.distribute_strategy):
+        return parameter_server.evaluate(
+            runtime.parameter_server(model), x, y, args, kwargs
+        )
+    local = state.run_state(model).local_training
+    if local is not None:
+        # The replicas' weights differ until the round ends.
+        local.maybe_synchronise(force=True)
+    converted = arrays.evaluate_arguments(model, x, y, args, kwargs)
+    if converted is not None:
+        x, y, args, kwargs = converted.pop("x"), None, (), converted
+    _default_steps(x, args, kwargs)
+    return keras_evaluate(as_input(model, x), y, *args, **kwargs)
+
+
+def predict(model, keras_predict, x, args, kwargs):
+    """`model.predict(...)`, Keras' `predict` being `keras_predict`."""
+    check_strategy(model, "predict")
+    if _distribute.is_parameter_server(model.distribute_strategy):
+        return parameter_server.predict(
+            runtime.parameter_server(model), x, args, kwargs
+        )
+    converted = arrays.predict_arguments(model, x, args, kwargs)
+    if converted is not None:
+        x, args, kwargs = converted.pop("x"), (), converted
+    _default_steps(x, args, kwargs)
+    return keras_predict(as_input(model, x), *args, **kwargs)
+
+
+def _default_steps(x, args, kwargs):
+    """tf-keras repeats a distributed input: it needs the step count."""
+    if isinstance(x, HeteroDataset) and _compat.REPEATS_DISTRIBUTED_INPUT:
+        if x.num_batches is not None and not args:
+            kwargs.setdefault("steps", x.num_batches)
+
+
+def check_strategy(model, method):
+    """Refuses, before anything runs, a strategy `model.method()` cannot
+    run under.
+
+    Raises:
+        ValueError: For XLA with replicas on CPUs, or a call inside the
+            scope of another strategy than the model's.
+    """
+    strategy = model.distribute_strategy
+    if (
+        method in ("fit", "evaluate")
+        and _compat.jit_compiled(model)
+        and _distribute.cpu_replicas(strategy)
+    ):
+        raise ValueError(
+            f"`{model.name}.{method}()` with `jit_compile=True` under "
+            f"{type(strategy).__name__} with "
+            f"{strategy.num_replicas_in_sync} replicas on "
+            "CPU devices: TensorFlow cannot compile the cross-replica "
+            'all-reduce for CPUs with XLA ("Collectives are not yet '
+            'implemented for CPU devices when compiling with XLA", '
+            "b/194942685). Compile with `jit_compile=False`, or use one "
+            "replica (no strategy, OneDeviceStrategy) or GPUs."
+        )
+    current = tf.distribute.get_strategy()
+    created = _compat.model_strategy(model)
+    if tf.distribute.has_strategy() and current is not created:
+        raise ValueError(
+            f"`{model.name}.{method}()` was called inside the scope of "
+            f"{type(current).__name__}, but the model was created "
+            + (
+                "outside any strategy scope"
+                if created is None
+                else f"under {type(created).__name__}"
+            )
+            + ". Create (and compile) the model inside `with "
+            "strategy.scope():` of the strategy you train with."
+        )
+
+
+def as_input(model, x, repeat=False, class_weight=None):
+    """`x` as Keras takes it: a `kh.data.shard` dataset becomes its
+    distributed dataset (checked to be sharded for the model's strategy);
+    anything else is unchanged.
+
+    Raises:
+        ValueError: For a HeteroDataset sharded for another strategy.
+    """
+    if not isinstance(x, HeteroDataset):
+        return x
+    strategy = model.distribute_strategy
+    if x.strategy is not strategy and type(x.strategy) is type(strategy):
+        raise ValueError(
+            "Invalid value for argument `x`: a HeteroDataset sharded for "
+            f"another {type(strategy).__name__} instance "
+            f"({x.num_replicas} replicas) than the one `{model.name}` runs "
+            f"under ({strategy.num_replicas_in_sync} replicas): the split "
+            "is bound to the strategy object. Pass "
+            "`strategy=model.distribute_strategy` to `kh.data.shard` (or "
+            "call it inside the model's `strategy.scope()`)."
+        )
+    if x.strategy is not strategy:
+        raise ValueError(
+            "Invalid value for argument `x`: a HeteroDataset sharded for "
+            f"{type(x.strategy).__name__} ({x.num_replicas} replicas), "
+            f"but `{model.name}` runs under {type(strategy).__name__} "
+            f"({strategy.num_replicas_in_sync} replicas). Pass "
+            "`strategy=` to `kh.data.shard` (or call it inside the "
+            "model's `strategy.scope()`)."
+        )
+    distributed = x.as_distributed_dataset(
+        repeat=repeat, class_weight=class_weight
+    )
+    if state.settings(model).low_communication is not None:
+        # Inner steps run no collective, not even the input's.
+        _compat.without_partial_batch_check(distributed)
+    return distributed
