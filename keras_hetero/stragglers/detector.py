@@ -350,7 +350,10 @@ class StragglerDetector(base.HeteroCallback):
             )
 
     def _follow_communication(self, call, seconds, steps, measured, changes):
-        compute = np.nanmax(seconds) if np.isfinite(seconds).any() else None
+        # fmax skips NaN (unmeasured) without nanmax's copy.
+        compute = (
+            np.fmax.reduce(seconds) if np.isfinite(seconds).any() else None
+        )
         if (
             self._communication is None  # not inside a fit
             or call is None

@@ -400,24 +400,25 @@ class Scorer:
         if self.seen < self.window:
             return []
         rows = self.rows
-        cost = rebalance.medians(self._readings.T)
-        # NaN costs (no reading) stay NaN; fmin skips them for the best.
-        best = np.fmin.reduce(cost)
+        # NaN (no reading) divides quietly and compares False: not low.
         with np.errstate(divide="ignore", invalid="ignore"):
+            cost = rebalance.medians(self._readings.T)
+            # NaN costs stay NaN; fmin skips them for the best.
+            best = np.fmin.reduce(cost)
             relative = best / cost
             individual = self.baseline / cost
             finite = np.isfinite(individual)
             if np.count_nonzero(finite) > 1:
                 # Against the least slowed replica: a slowdown all share
                 # is none's.
-                individual = individual / individual[finite].max()
-        floor = self._noise_floor(newest, cost, min_excess_seconds)
-        # The baseline: the lowest median seen, relaxed upward a little
-        # each evaluation (see `evaluate`); fmin: NaN loses to a number.
-        self.baseline = np.fmin(self.baseline * (1.0 + BASELINE_RELAX), cost)
-        current = np.where(newest < cost, newest, cost)
-        # NaN (no reading) compares False: not low.
-        with np.errstate(invalid="ignore"):
+                individual /= np.max(individual, where=finite, initial=-np.inf)
+            floor = self._noise_floor(cost, min_excess_seconds)
+            # The baseline: the lowest median seen, relaxed upward a little
+            # each evaluation (see `evaluate`); fmin: NaN loses to a number.
+            self.baseline = np.fmin(
+                self.baseline * (1.0 + BASELINE_RELAX), cost
+            )
+            current = np.fmin(newest, cost)
             slow = relative < relative_threshold
             lost = individual < threshold
             costly = (slow & ((current - best) * rows > floor)) | (
@@ -442,12 +443,13 @@ class Scorer:
             for replica in changed
         ]
 
-    def _noise_floor(self, newest, cost, min_excess_seconds):
+    def _noise_floor(self, cost, min_excess_seconds):
         """`noise_floor` on the ring; updates `self.noise`."""
         rows = self.rows
         scored = rows > 0
         deviation = np.abs(self._readings - cost[:, np.newaxis])
         deviation *= rows[:, np.newaxis]
+        newest = deviation[:, (self._next - 1) % self.window]
         pooled = deviation.ravel()
         count = pooled.size
         if not scored.all() or np.isnan(pooled).any():
@@ -461,7 +463,9 @@ class Scorer:
                 pooled, [(count - 1) // 2, count // 2]
             )
             mad = float(low if count % 2 else 0.5 * (low + high))
-        latest = np.minimum(np.abs(newest - cost), cost) * rows
+        # min(|newest - cost|, cost) * rows: scaling by rows > 0 keeps the
+        # order, so the products' minimum is the same number.
+        latest = np.minimum(newest, cost * rows)
         latest = latest[scored & ~np.isnan(latest)]
         if latest.size:
             # fsum: exactly the sum the reference takes, in any order.

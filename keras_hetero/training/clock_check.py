@@ -301,19 +301,14 @@ class ClockCheck:
             same &= cost[:-1] > 0
             steps = np.abs(np.log(cost[1:] / cost[:-1]))
         counted = same.sum(axis=0)
-        # Each replica's median of its counted steps, all at one index
-        # (one partition for every replica): of its uncounted steps, as
-        # many as put the median there go first (-inf), the others last.
-        middle = (len(steps) - 1) // 2
-        if not same.all():
-            first = middle - (counted - 1) // 2
-            uncounted = np.zeros(len(counted), np.int64)
-            for row, counts in enumerate(same):  # the window's readings
-                uncounted += ~counts
-                placed = np.where(uncounted <= first, -np.inf, np.inf)
-                steps[row] = np.where(counts, steps[row], placed)
-        steps = np.ascontiguousarray(steps.T)  # each replica's contiguous
-        median = np.partition(steps, middle, axis=1)[:, middle]
+        # The median of the counted steps: the uncounted sort last. Each
+        # replica's steps sorted in one contiguous row (a sort along the
+        # window's axis of this array strides over every replica: 3-6x
+        # slower).
+        steps = np.ascontiguousarray(np.where(same, steps, np.inf).T)
+        ordered = np.sort(steps, axis=1)
+        middle = np.clip((counted - 1) // 2, 0, ordered.shape[1] - 1)
+        median = ordered[np.arange(len(ordered)), middle]
         jitter = np.exp(np.where(counted > 0, median, 0.0))
         noisy = (
             (counted >= self.window // 2)
