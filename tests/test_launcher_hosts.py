@@ -119,8 +119,11 @@ def test_auto_makes_one_worker_per_gpu_8_and_4_gpus_make_12():
     for bad in (0, "x", True, "-1"):
         with pytest.raises(ValueError, match="argument `workers_per_host`"):
             devices.parse_workers_per_host(bad)
-    # Every auto worker has one replica, so the group is MWMS-shaped.
-    assert {policy.replicas_per_worker(d) for d in eight + four + [None]} == {1}
+    # Every auto worker has one GPU, so the group is MWMS-shaped; a worker
+    # without GPUs runs on the CPU, which cannot join them.
+    assert {policy.devices_per_worker(d) for d in eight + four} == {"1 GPU"}
+    assert policy.devices_per_worker(None) == "CPU"
+    assert policy.devices_per_worker("0,1") == "2 GPU"
 
 
 def test_gpus_are_discovered_without_tensorflow(tmp_path):
@@ -156,7 +159,7 @@ def test_hosts_must_run_the_same_job():
         "script": "train.py (sha256 ab...)",
         "arguments": ["--epochs", "3"],
         "tensorflow": "2.21.0",
-        "replicas_per_worker": 1,
+        "devices_per_worker": "1 GPU",
     }
     assert policy.job_mismatch(reference, dict(reference), rank=1) is None
     message = policy.job_mismatch(
@@ -167,9 +170,13 @@ def test_hosts_must_run_the_same_job():
         "rank 0: '2.21.0')."
     )
     message = policy.job_mismatch(
-        reference, {**reference, "replicas_per_worker": 4}, rank=1
+        reference, {**reference, "devices_per_worker": "4 GPU"}, rank=1
     )
     assert "--workers-per-host auto" in message
+    message = policy.job_mismatch(
+        reference, {**reference, "devices_per_worker": "CPU"}, rank=1
+    )
+    assert "hosts without GPUs cannot join hosts with GPUs" in message
     job = hosts.job_description([sys.executable, HOST_TRAIN, "--x"], ["0"])
     assert job["script"].startswith("host_train.py (sha256 ")
     assert job["arguments"] == ["--x"]
@@ -291,13 +298,13 @@ def _launched(output):
 def test_two_hosts_auto_devices_and_a_restart_after_a_failed_worker(
     tmp_path,
 ):
-    # Rank 0 has 2 (fake) GPUs, rank 1 none: 2 + 1 workers. Worker 2 fails
+    # Rank 0 has 2 (fake) GPUs, rank 1 one: 2 + 1 workers. Worker 2 fails
     # in attempt 0; the group restarts once.
     results = _host_threads(
         tmp_path,
         [
             (0, ["2"], {"devices_per_host": 2}),
-            (1, ["2"], {"devices_per_host": 0}),
+            (1, ["2"], {"devices_per_host": 1}),
         ],
         nnodes=2,
         workers_per_host="auto",
@@ -317,7 +324,7 @@ def test_two_hosts_auto_devices_and_a_restart_after_a_failed_worker(
     assert sorted(on0) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert sorted(on1) == [(0, 2), (1, 2)]
     assert [on0[(0, w)]["devices"] for w in (0, 1)] == ["0", "1"]
-    assert on1[(0, 2)]["devices"] is None
+    assert on1[(0, 2)]["devices"] == "0"
     cluster = on0[(0, 0)]["cluster"]
     assert len(cluster) == 3 and all(
         r["cluster"] == cluster and r["workers"] == 3
@@ -353,7 +360,7 @@ def test_a_host_with_other_arguments_is_refused_and_named(tmp_path):
         tmp_path,
         [(0, ["", "--epochs", "2"], {}), (1, ["", "--epochs", "3"], {})],
         nnodes=2,
-        rdzv_timeout=3,
+        rdzv_timeout=6,
     )
     refused, _ = results[1]
     assert isinstance(refused, ValueError), results
@@ -411,11 +418,77 @@ def test_ctrl_c_on_rank_0_ends_the_job_on_every_host(tmp_path):
         text0 = rank0.communicate(timeout=60)[0]
     finally:
         rank0.kill()
+        rank0.wait()
     thread.join(60)
     assert rank0.returncode == 130, text0
     assert "[launcher] got SIGINT; stopping workers" in text0
     assert box["result"].exit_code == 130, output.text()
     assert "[launcher] host rank 0's launcher got SIGINT" in output.text()
+
+
+@pytest.mark.slow
+@pytest.mark.one_flavour
+def test_hosts_rejoin_a_rank_0_that_comes_back(tmp_path):
+    # Rank 0's launcher is SIGKILLed mid-attempt (its worker, a 3 s sleep,
+    # ends on its own): rank 1 stops its worker, joins the new rank 0's
+    # rendezvous, and the job finishes there.
+    script = tmp_path / "nap.py"
+    script.write_text("import time\nprint('napping', flush=True)\n"
+                      "time.sleep(3)\n")  # fmt: skip
+    port = kh.testing.free_ports(1)[0]
+    command = [sys.executable, "-m", "keras_hetero.run", "--nnodes", "2"]
+    command += ["--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    command += ["--grace-seconds", "2", str(script)]
+
+    def rank0():
+        return subprocess.Popen(
+            command,
+            env=_host_env("secret"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    first = rank0()
+    output, box = _Lines(), {}
+
+    def rank1():
+        box["result"] = hosts.launch_host(
+            [sys.executable, str(script)],
+            nnodes=2,
+            node_rank=1,
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            rdzv_token="secret",
+            rdzv_timeout=120,
+            grace_seconds=2,
+            output=output,
+        )
+
+    thread = threading.Thread(target=rank1, daemon=True)
+    thread.start()
+    second = None
+    try:
+        deadline = time.monotonic() + 120
+        while "[worker 1] napping" not in output.text():
+            assert time.monotonic() < deadline, output.text()
+            time.sleep(0.05)
+        first.kill()
+        first.wait()
+        second = rank0()
+        text = second.communicate(timeout=120)[0]
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+                process.wait()
+    thread.join(60)
+    assert second.returncode == 0, text
+    result = box["result"]
+    assert result.exit_code == 0, output.text()
+    assert "[launcher] lost the rendezvous at 127.0.0.1:" in output.text()
+    # The new rendezvous counts attempts from 0; the first one never ended.
+    assert [a.workers for a in result.attempts] == [2], output.text()
+    assert output.text().count("[worker 1] napping") == 2
 
 
 class _Lines(io.StringIO):
@@ -568,18 +641,18 @@ def test_two_hosts_with_2_and_1_workers_train_like_one_device(tmp_path):
         try:
             auto = ["--workers-per-host", "auto", "--rdzv-timeout", "120"]
             first = job.start(0, *auto, "--devices-per-host", "2")
-            second = job.start(1, *auto, "--devices-per-host", "0")
+            second = job.start(1, *auto, "--devices-per-host", "1")
             codes = [job.wait(first), job.wait(second)]
         finally:
             job.stop()
     seconds = time.monotonic() - started
     assert codes == [0, 0], job.text()[-6000:]
-    # Each worker saw the GPU the launcher gave it (rank 1 has none).
+    # Each worker saw the (fake) GPU the launcher gave it.
     seen = {}
     for host, log in enumerate(job.logs):
         for (_, worker), record in _launched(log.read_text()).items():
             seen[worker] = (record["devices"], record["workers"], host)
-    assert seen == {0: ("0", 3, 0), 1: ("1", 3, 0), 2: (None, 3, 1)}
+    assert seen == {0: ("0", 3, 0), 1: ("1", 3, 0), 2: ("0", 3, 1)}
     assert _rounds(job.text(0)) == [(3, [0, 1])]
     committed, _ = elastic._committed_attempts(out)
     elastic._assert_exactly_once(committed)
@@ -592,7 +665,8 @@ def test_two_hosts_with_2_and_1_workers_train_like_one_device(tmp_path):
 @pytest.mark.slow
 @needs_namespaces
 def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
-    # --nnodes 2:3; ranks 0, 1, 2 have 1, 2, 1 workers. Host 1 (workers 1
+    # --nnodes 2:3; ranks 0, 1, 2 have 1, 2, 1 (fake) GPUs, so 1, 2, 1
+    # workers with --workers-per-host auto. Host 1 (workers 1
     # and 2) is killed mid-run: the group continues on hosts 0 and 2 (2
     # workers), then host 1's launcher is started again and the group
     # restarts with all 4 workers. Attempt 1 sleeps 1 s per step, so
@@ -624,9 +698,9 @@ def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
     with kh.testing.NetworkHosts(3) as net:
         job = _Hosts(net, tmp_path, "2:3", script)
         try:
-            rank0 = job.start(0, *flags, "--devices-per-host", "0")
+            rank0 = job.start(0, *flags, "--devices-per-host", "1")
             job.start(1, *flags, "--devices-per-host", "2")
-            rank2 = job.start(2, *flags, "--devices-per-host", "0")
+            rank2 = job.start(2, *flags, "--devices-per-host", "1")
             _wait_until(lambda: _steps(out, 0) >= 4, "step 4", job)
             killed_at = time.monotonic()
             assert net.kill(1)
@@ -678,7 +752,7 @@ def test_wrong_token_is_refused_and_the_timeout_names_the_missing_host(
         job = _Hosts(net, tmp_path, "2", script)
         try:
             stray = job.start(1, token="not-the-token")
-            rank0 = job.start(0, "--rdzv-timeout", "15")
+            rank0 = job.start(0, "--rdzv-timeout", "10")
             codes = [job.wait(stray), job.wait(rank0)]
         finally:
             job.stop()
@@ -692,7 +766,7 @@ def test_wrong_token_is_refused_and_the_timeout_names_the_missing_host(
     )
     assert (
         "keras-hetero: Host rank(s) [1] did not join the rendezvous at "
-        f"{net.address(0)}:29400 within 15 s (1 joined: [0]; at least 2 "
+        f"{net.address(0)}:29400 within 10 s (1 joined: [0]; at least 2 "
         "needed). 1 connection(s) were refused for a wrong token (from "
         f"['{net.address(1)}'])." in rank0_log
     ), rank0_log

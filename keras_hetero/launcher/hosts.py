@@ -126,14 +126,9 @@ def launch_host(
         "node_rank",
         node_rank,
         0,
+        maximum=max_hosts - 1,
         expected=f"an integer in [0, {max_hosts - 1}] (--nnodes {nnodes})",
     )
-    if node_rank >= max_hosts:
-        raise ValueError(
-            "Invalid value for argument `node_rank`. Received: "
-            f"node_rank={node_rank!r}. Expected an integer in "
-            f"[0, {max_hosts - 1}] (--nnodes {nnodes})."
-        )
     host, port = policy.parse_endpoint(rdzv_endpoint)
     for name, value in (
         ("rdzv_timeout", rdzv_timeout),
@@ -243,7 +238,7 @@ def job_description(command, slots, environ=None):
         arguments = list(command[2:])
     legacy = environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
     keras = "tf-keras" if legacy else "keras"
-    replicas = sorted({policy.replicas_per_worker(s) for s in slots})
+    kinds = sorted({policy.devices_per_worker(s) for s in slots})
     return {
         "script": script,
         "arguments": arguments,
@@ -251,7 +246,7 @@ def job_description(command, slots, environ=None):
         "keras_hetero": _version("keras-hetero"),
         "tensorflow": _version("tensorflow", "tensorflow-cpu", "tf-nightly"),
         "keras": f"{keras} {_version(keras)}",
-        "replicas_per_worker": replicas[0] if len(replicas) == 1 else replicas,
+        "devices_per_worker": kinds[0] if len(kinds) == 1 else kinds,
     }
 
 
@@ -311,6 +306,8 @@ class _Agent:
             if channel is None:
                 return self._interrupted()
             result = self._follow(channel)
+            if isinstance(result, TimeoutError):
+                raise result
             if result is not None:
                 return result
             _say(
@@ -407,7 +404,8 @@ class _Agent:
 
     def _follow(self, channel):
         """Runs rounds as told until the job ends (returns its
-        `LaunchResult`) or the rendezvous is lost (returns None)."""
+        `LaunchResult`, or the `TimeoutError` to raise) or the rendezvous
+        is lost (returns None)."""
         inbox = queue.Queue()
         beating = threading.Event()
         beating.set()
@@ -497,7 +495,7 @@ class _Agent:
             self._stop_workers()
             text = message.get("message")
             if message.get("kind") == "timeout":
-                raise TimeoutError(text)
+                return TimeoutError(text)  # raised by `run`, not in `_follow`
             if text and self.server is None:  # else the server said it
                 _say(self.output, f"[launcher] {text}")
             return LaunchResult(int(message["exit_code"]), tuple(self.attempts))

@@ -239,12 +239,19 @@ def assign_workers(hosts):
     return tuple(workers)
 
 
-def replicas_per_worker(devices):
-    """The replicas a worker with `CUDA_VISIBLE_DEVICES` `devices` has:
-    one per GPU, one (its CPU) without GPUs."""
-    if not devices:
-        return 1
-    return len(str(devices).split(","))
+def devices_per_worker(devices):
+    """What a worker with `CUDA_VISIBLE_DEVICES` `devices` replicates on:
+    `"N GPU"` (one replica per GPU), or `"CPU"` (one replica) when the
+    launcher leaves the variable unset.
+
+    Example:
+
+    >>> devices_per_worker("0,1"), devices_per_worker(None)
+    ('2 GPU', 'CPU')
+    """
+    if devices is None:
+        return "CPU"
+    return f"{len(str(devices).split(','))} GPU"
 
 
 # The fields of a host's job, in the order a mismatch is reported.
@@ -255,7 +262,7 @@ JOB_FIELDS = (
     "keras_hetero",
     "tensorflow",
     "keras",
-    "replicas_per_worker",
+    "devices_per_worker",
 )
 
 
@@ -263,8 +270,9 @@ def job_mismatch(reference, other, *, rank, reference_rank=0):
     """Why host `rank`'s job differs from the reference host's, or None.
 
     Every host must run the same script with the same arguments and
-    versions, and its workers must have as many replicas as the reference's
-    (MultiWorkerMirroredStrategy gives every worker the same number).
+    versions, and its workers must replicate on as many devices of the same
+    type as the reference's (MultiWorkerMirroredStrategy's collectives
+    need one group size and device type).
 
     Args:
         reference: The reference host's job (`{field: value}` with the
@@ -291,12 +299,14 @@ def job_mismatch(reference, other, *, rank, reference_rank=0):
             f"Host rank {rank} does not match host rank {reference_rank}: "
             f"{field} {theirs!r} (host rank {reference_rank}: {mine!r})."
         )
-        if field == "replicas_per_worker":
+        if field == "devices_per_worker":
             return message + (
-                " MultiWorkerMirroredStrategy needs the same number of "
-                "replicas on every worker: use --workers-per-host auto (one "
-                "worker per GPU) or a --workers-per-host that gives every "
-                "worker as many GPUs."
+                " MultiWorkerMirroredStrategy needs the same number and type "
+                "of devices on every worker (its collectives form one group "
+                "of one size and device type): use --workers-per-host auto "
+                "(one worker per GPU) or a --workers-per-host that gives "
+                "every worker as many GPUs; hosts without GPUs cannot join "
+                "hosts with GPUs."
             )
         return message + (
             " Every host must run the same script, arguments and versions."

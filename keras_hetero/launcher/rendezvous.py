@@ -10,7 +10,7 @@ each host's launcher keeps open for the whole job):
    `auth` with `HMAC(token, "client", both nonces)` and checks the server's.
    A wrong token ends the connection with an `error` on both sides.
 2. `join`: the host's rank, address, one device list per worker and its job
-   (script digest, arguments, versions, replicas per worker). The server
+   (script digest, arguments, versions, devices per worker). The server
    answers `welcome`, or `error` (a bad rank or a job that differs from
    rank 0's: fatal; a rank already connected: `retry`).
 3. Rounds: when the hosts are there (`policy.decide_round`), the server
@@ -356,6 +356,7 @@ class RendezvousServer:
         self._said_waiting = now
         self.attempts = []
         self.exit_code = None
+        self._done = None  # the message that ended the job
         self._threads = []
         self._closed = False
 
@@ -381,9 +382,12 @@ class RendezvousServer:
         its last messages."""
         if self._state != "done":
             self.shutdown(1, "the rendezvous was closed")
-        for thread in self._threads[1:]:
-            thread.join(wait)
+        deadline = time.monotonic() + wait
+        while self._state != "done" and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._closed = True
+        for thread in self._threads:
+            thread.join(wait)
         self._listener.close()
         for host in self._hosts.values():
             host.channel.close()
@@ -427,8 +431,10 @@ class RendezvousServer:
     # --- the state machine -------------------------------------------------
 
     def _loop(self):
+        # Runs until `close()`: after the end it still tells a host that
+        # joins late how the job ended.
         try:
-            while self._state != "done":
+            while not self._closed:
                 try:
                     event = self._events.get(timeout=0.1)
                 except queue.Empty:
@@ -446,6 +452,8 @@ class RendezvousServer:
 
     def _handle(self, event):
         kind, now = event[0], time.monotonic()
+        if self._state == "done" and kind != "join":
+            return
         if kind == "shutdown":
             self._stop_all()
             self._finish(event[1], event[2])
@@ -480,8 +488,14 @@ class RendezvousServer:
         rank = message.get("rank")
         error, retry = None, False
         if self._state == "done":
-            error = "the job has ended"
-        elif (
+            try:
+                channel.send({"type": "welcome"})
+                channel.send(self._done)
+            except OSError:
+                pass
+            channel.close(finish=True)
+            return
+        if (
             isinstance(rank, bool)
             or not isinstance(rank, int)
             or not 0 <= rank < self.max_hosts
@@ -767,18 +781,16 @@ class RendezvousServer:
     def _finish(self, exit_code, message, kind="exit"):
         self.exit_code = exit_code
         self._state = "done"
+        self._done = {
+            "type": "done",
+            "exit_code": exit_code,
+            "message": message,
+            "kind": kind,
+        }
         if message:
             _say(self.output, f"[rendezvous] {message}")
         for rank, host in list(self._hosts.items()):
-            self._send(
-                rank,
-                {
-                    "type": "done",
-                    "exit_code": exit_code,
-                    "message": message,
-                    "kind": kind,
-                },
-            )
+            self._send(rank, self._done)
             # The host reads what was sent, then closes its side.
             host.channel.close(finish=True)
 
