@@ -62,6 +62,12 @@ def test_fit_evaluate_predict_match_single_device(
         assert value["rows"].tolist() == expected_rows.tolist()
         assert len(value["devices"]) == num_workers
         assert len(set(value["devices"])) == num_workers
+        # No per-step "does every worker have data" collective: a
+        # `kh.data.shard` input gives every replica an element per step.
+        # (Keras 3 with k > 1 steps per call reads `get_next_as_optional`,
+        # which always checks.)
+        if steps_per_execution == 1 or kh.FLAVOUR == "tf-keras":
+            assert value["input_reduces_in_fit"] == 0
 
 
 def test_each_example_reaches_exactly_one_replica_once():

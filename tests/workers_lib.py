@@ -28,7 +28,8 @@ def train_mwms(
         strategy=strategy,
         shares=shares,
     )
-    history = model.fit(dataset, epochs=epochs, verbose=0)
+    with _ReduceCounter(strategy) as reduces:
+        history = model.fit(dataset, epochs=epochs, verbose=0)
     stats = model.step_stats
     evaluation = model.evaluate(
         kh.data.shard(
@@ -50,7 +51,36 @@ def train_mwms(
         "rows": stats.rows,
         "devices": stats.devices,
         "num_replicas": strategy.num_replicas_in_sync,
+        "input_reduces_in_fit": sum(i for i, _ in reduces),
     }
+
+
+class _ReduceCounter:
+    """Counts `strategy.reduce` calls while active, as `(input_lib?,
+    metrics?)` pairs: the input's per-step "does every worker have data"
+    check (a cross-worker reduction made by tf.distribute's input_lib), or
+    a tf-keras metric result read in a merge_call."""
+
+    def __init__(self, strategy):
+        self.cls = type(strategy)
+        self.reduces = []
+
+    def __enter__(self):
+        import traceback
+
+        reduce = self.original = self.cls.reduce
+        reduces = self.reduces
+
+        def counted(strategy, *args, **kwargs):
+            stack = "".join(traceback.format_stack(limit=40))
+            reduces.append(("input_lib" in stack, "metrics_utils" in stack))
+            return reduce(strategy, *args, **kwargs)
+
+        self.cls.reduce = counted
+        return reduces
+
+    def __exit__(self, *exc):
+        self.cls.reduce = self.original
 
 
 def unknown_length_mwms(shares, steps_per_execution):
@@ -366,25 +396,8 @@ def low_communication_mwms(shares, sync_every, outer_sgd_1=False, spe=1):
             shares=shares,
         )
 
-    # The input's per-step "does every worker have data" check, a
-    # cross-worker reduction made by tf.distribute's input_lib.
-    reduces = []
-    reduce = type(strategy).reduce
-
-    def counted(self, *args, **kwargs):
-        import traceback
-
-        stack = "".join(traceback.format_stack(limit=40))
-        # The input's check, or a tf-keras metric result read in a
-        # merge_call (every metric variable, every step).
-        reduces.append(("input_lib" in stack, "metrics_utils" in stack))
-        return reduce(self, *args, **kwargs)
-
-    type(strategy).reduce = counted
-    try:
+    with _ReduceCounter(strategy) as reduces:
         model.fit(data(), epochs=2, verbose=0)
-    finally:
-        type(strategy).reduce = reduce
     stats = model.step_stats
     evaluation = model.evaluate(data(), return_dict=True, verbose=0)
     return {

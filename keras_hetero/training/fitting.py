@@ -213,7 +213,9 @@ def as_input(model, x, repeat=False, class_weight=None):
     distributed = x.as_distributed_dataset(
         repeat=repeat, class_weight=class_weight
     )
-    if state.settings(model).low_communication is not None:
-        # Inner steps run no collective, not even the input's.
-        _compat.without_partial_batch_check(distributed)
-    return distributed
+    # No per-step "does every replica have data" collective: every replica
+    # gets an element for every global batch (maybe with no rows), so all
+    # run out at the same step. One round trip less per step under
+    # MultiWorkerMirroredStrategy; low-communication inner steps then run
+    # no collective at all.
+    return _compat.without_partial_batch_check(distributed)
