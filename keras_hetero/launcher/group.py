@@ -154,17 +154,10 @@ def launch(
             f"{command!r}. Expected the worker command, e.g. "
             '[sys.executable, "train.py"].'
         )
-    for name, value in (
-        ("backoff_seconds", backoff_seconds),
-        ("max_backoff_seconds", max_backoff_seconds),
-    ):
-        if isinstance(value, bool) or not (
-            isinstance(value, (int, float)) and value >= 0
-        ):
-            raise ValueError(
-                f"Invalid value for argument `{name}`. Received: "
-                f"{name}={value!r}. Expected seconds >= 0."
-            )
+    check_seconds(
+        backoff_seconds=backoff_seconds,
+        max_backoff_seconds=max_backoff_seconds,
+    )
     if hosts is not None and not (
         callable(getattr(hosts, "addresses", None))
         and callable(getattr(hosts, "command", None))
@@ -394,6 +387,19 @@ def _say(output, line):
 
 def _status(code):
     return 128 - code if code < 0 else code
+
+
+def check_seconds(**values):
+    """Raises a `ValueError` naming the first of `values` (argument name:
+    value) that is not a number of seconds >= 0."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not (
+            isinstance(value, (int, float)) and value >= 0
+        ):
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Received: "
+                f"{name}={value!r}. Expected seconds >= 0."
+            )
 
 
 def worker_env(extra_env, addresses, index, restart):

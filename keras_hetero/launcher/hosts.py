@@ -130,18 +130,11 @@ def launch_host(
         expected=f"an integer in [0, {max_hosts - 1}] (--nnodes {nnodes})",
     )
     host, port = policy.parse_endpoint(rdzv_endpoint)
-    for name, value in (
-        ("rdzv_timeout", rdzv_timeout),
-        ("rdzv_last_call", rdzv_last_call),
-        ("grace_seconds", grace_seconds),
-    ):
-        if isinstance(value, bool) or not (
-            isinstance(value, (int, float)) and value >= 0
-        ):
-            raise ValueError(
-                f"Invalid value for argument `{name}`. Received: "
-                f"{name}={value!r}. Expected seconds >= 0."
-            )
+    group.check_seconds(
+        rdzv_timeout=rdzv_timeout,
+        rdzv_last_call=rdzv_last_call,
+        grace_seconds=grace_seconds,
+    )
     check_int("max_restarts", max_restarts, 0)
     if devices_per_host is None:
         gpus = device_lists.discover_gpus()
@@ -291,14 +284,12 @@ class _Agent:
         self._codes = {}  # round -> this host's exit codes
 
     def interrupt(self, number, frame):
+        # Only flags: the loops stop the workers (and print, outside the
+        # signal handler, which may have interrupted a print).
         if self.interrupted is not None:
             self.workers._kill_all()  # a second signal: no more grace
             return
         self.interrupted = number
-        _say(
-            self.output,
-            f"[launcher] got {signal.Signals(number).name}; stopping workers",
-        )
 
     def run(self):
         while True:
@@ -317,6 +308,14 @@ class _Agent:
             )
 
     def _interrupted(self):
+        """Stops this host's workers (and, on rank 0, the job on every
+        host) after SIGINT or SIGTERM."""
+        _say(
+            self.output,
+            f"[launcher] got {signal.Signals(self.interrupted).name}; "
+            "stopping workers",
+        )
+        self._stop_workers()
         if self.server is not None:
             self.server.shutdown(
                 128 + self.interrupted,
@@ -434,7 +433,6 @@ class _Agent:
         try:
             while True:
                 if self.interrupted is not None:
-                    self._stop_workers()
                     return self._interrupted()
                 try:
                     message = inbox.get(timeout=0.05)

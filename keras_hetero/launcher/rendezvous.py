@@ -212,11 +212,13 @@ def server_handshake(channel, token):
     """Checks a new connection's token proof (see `client_handshake`).
 
     Returns:
-        True if the peer knows the token; False after answering `error`.
+        None if the peer knows the token, else why it was refused
+        (`"wrong token"`, another protocol, or no greeting); the peer got
+        an `error` where it spoke the protocol.
     """
     hello = channel.receive()
     if hello is None or hello["type"] != "hello":
-        return False
+        return "it did not greet (not a keras-hetero launcher?)"
     client_nonce = str(hello.get("nonce", ""))[:64]
     if hello.get("protocol") != _PROTOCOL:
         channel.send(
@@ -227,7 +229,7 @@ def server_handshake(channel, token):
                 "the same keras-hetero version on every host",
             }
         )
-        return False
+        return f"it speaks protocol {hello.get('protocol')!r}"
     server_nonce = secrets.token_hex(16)
     channel.send(
         {
@@ -243,16 +245,19 @@ def server_handshake(channel, token):
         or auth["type"] != "auth"
         or not hmac.compare_digest(str(auth.get("proof")), expected)
     ):
-        channel.send(
-            {
-                "type": "error",
-                "message": f"the rendezvous refused this host: wrong token "
-                f"({TOKEN_ENV} or --rdzv-token-file must be the same secret "
-                "on every host)",
-            }
-        )
-        return False
-    return True
+        try:  # a host with another token may have hung up already
+            channel.send(
+                {
+                    "type": "error",
+                    "message": "the rendezvous refused this host: wrong "
+                    f"token ({TOKEN_ENV} or --rdzv-token-file must be the "
+                    "same secret on every host)",
+                }
+            )
+        except OSError:
+            pass
+        return "wrong token"
+    return None
 
 
 class _Host:
@@ -410,8 +415,9 @@ class RendezvousServer:
         channel = Channel(sock)
         try:
             sock.settimeout(HANDSHAKE_SECONDS)
-            if not server_handshake(channel, self.token):
-                self._events.put(("wrong_token", channel))
+            refused = server_handshake(channel, self.token)
+            if refused is not None:
+                self._events.put(("refused", channel, refused))
                 return
             join = channel.receive()
             if join is None or join["type"] != "join":
@@ -457,13 +463,13 @@ class RendezvousServer:
         if kind == "shutdown":
             self._stop_all()
             self._finish(event[1], event[2])
-        elif kind == "wrong_token":
-            channel = event[1]
-            self._wrong_token.append(channel.peer.rpartition(":")[0])
+        elif kind == "refused":
+            channel, why = event[1], event[2]
+            if why == "wrong token":
+                self._wrong_token.append(channel.peer.rpartition(":")[0])
             _say(
                 self.output,
-                f"[rendezvous] refused a connection from {channel.peer}: "
-                "wrong token",
+                f"[rendezvous] refused a connection from {channel.peer}: {why}",
             )
             channel.close()
         elif kind == "join":
