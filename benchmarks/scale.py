@@ -472,22 +472,16 @@ def planner_rows(device_counts, limit_seconds, layers=64):
             ]
             for w in range(count // per_worker)
         ]
+        plan = functools.partial(
+            kh.placement.plan,
+            model,
+            devices,
+            device_speeds=speeds,
+            layer_costs=costs,
+        )
         calls = [
-            functools.partial(
-                kh.placement.plan,
-                model,
-                devices,
-                device_speeds=speeds,
-                layer_costs=costs,
-            ),
-            functools.partial(
-                kh.placement.plan,
-                model,
-                devices,
-                device_speeds=speeds,
-                layer_costs=costs,
-                keep_order=True,
-            ),
+            plan,
+            functools.partial(plan, keep_order=True),
             functools.partial(
                 kh.placement.plan_layout,
                 model,

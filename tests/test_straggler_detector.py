@@ -337,36 +337,46 @@ def test_communication_tracker_flags_time_outside_compute_not_compute():
     assert [e.kind for e in later if e is not None] == ["communication"]
 
 
-def test_detector_reports_a_slow_link_and_leaves_stragglers_alone(caplog):
-    stats = []
+class _FedModel:
+    """A stand-in model whose `step_stats` a test feeds, step by step, to
+    the detectors it attaches."""
 
-    class Model:
-        @property
-        def step_stats(self):
-            return stats[-1]
+    def __init__(self):
+        self.stats = []
 
-    detector = kh.callbacks.StragglerDetector(window=3, patience=2)
-    detector.set_model(Model())
-    detector.on_train_begin()
+    @property
+    def step_stats(self):
+        return self.stats[-1]
 
-    def steps(count, call, compute):
+    def attach(self, detector):
+        detector.set_model(self)
+        detector.on_train_begin()
+        return detector
+
+    def feed(self, detector, count, compute, replicas=2, call=None):
         for _ in range(count):
-            stats.append(
+            self.stats.append(
                 kh.StepStats(
-                    step=len(stats) + 1,
+                    step=len(self.stats) + 1,
                     steps=1,
-                    rows=np.array([4, 4]),
-                    compute_seconds=np.array([compute, compute]),
-                    devices=["/CPU:0", "/CPU:1"],
+                    rows=np.full(replicas, 4),
+                    compute_seconds=np.full(replicas, compute),
+                    devices=[f"/CPU:{i}" for i in range(replicas)],
                     call_seconds=call,
                 )
             )
             detector.on_train_batch_begin(0)
             detector.on_train_batch_end(0)
 
+
+def test_detector_reports_a_slow_link_and_leaves_stragglers_alone(caplog):
+    model = _FedModel()
+    detector = model.attach(
+        kh.callbacks.StragglerDetector(window=3, patience=2)
+    )
     with caplog.at_level(logging.WARNING, logger="keras_hetero"):
-        steps(8, 0.030, 0.020)
-        steps(6, 0.080, 0.020)
+        model.feed(detector, 8, 0.020, call=0.030)
+        model.feed(detector, 6, 0.020, call=0.080)
     assert [e.kind for e in detector.communication_events] == ["communication"]
     assert detector.events == []  # no replica is a straggler
     assert "slowed by communication at step" in caplog.text
@@ -375,43 +385,18 @@ def test_detector_reports_a_slow_link_and_leaves_stragglers_alone(caplog):
     assert state["communication"]["baseline"] == pytest.approx(0.010)
     fresh = kh.callbacks.StragglerDetector(window=3, patience=2)
     fresh.set_state(state)
-    fresh.set_model(Model())
-    fresh.on_train_begin()
+    model.attach(fresh)
     assert fresh._communication.baseline == pytest.approx(0.010)
 
 
 def test_scores_restored_for_another_replica_count_start_afresh():
     # A job resumed with fewer or more replicas: the restored scores are
     # of other replicas and are not used.
-    stats = []
-
-    class Model:
-        @property
-        def step_stats(self):
-            return stats[-1]
-
-    def feed(detector, replicas, steps):
-        for _ in range(steps):
-            stats.append(
-                kh.StepStats(
-                    step=len(stats) + 1,
-                    steps=1,
-                    rows=np.full(replicas, 4),
-                    compute_seconds=np.full(replicas, 0.02),
-                    devices=[f"/CPU:{i}" for i in range(replicas)],
-                )
-            )
-            detector.on_train_batch_begin(0)
-            detector.on_train_batch_end(0)
-
-    first = kh.callbacks.StragglerDetector(window=3, patience=1)
-    first.set_model(Model())
-    first.on_train_begin()
-    feed(first, 2, 5)
-    resumed = kh.callbacks.StragglerDetector(window=3, patience=1)
-    resumed.set_model(Model())
-    resumed.on_train_begin()
+    model = _FedModel()
+    first = model.attach(kh.callbacks.StragglerDetector(window=3, patience=1))
+    model.feed(first, 5, 0.02, replicas=2)
+    resumed = model.attach(kh.callbacks.StragglerDetector(window=3, patience=1))
     resumed.set_state(first.get_state())
-    feed(resumed, 3, 5)
+    model.feed(resumed, 5, 0.02, replicas=3)
     assert resumed.events == []
     assert resumed.get_state()["scores"]["seen"] == 5
