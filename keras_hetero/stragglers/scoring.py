@@ -449,7 +449,7 @@ class Scorer:
         scored = rows > 0
         deviation = np.abs(self._readings - cost[:, np.newaxis])
         deviation *= rows[:, np.newaxis]
-        newest = deviation[:, (self._next - 1) % self.window]
+        newest_slot = (self._next - 1) % self.window
         pooled = deviation.ravel()
         count = pooled.size
         if not scored.all() or np.isnan(pooled).any():
@@ -465,7 +465,7 @@ class Scorer:
             mad = float(low if count % 2 else 0.5 * (low + high))
         # min(|newest - cost|, cost) * rows: scaling by rows > 0 keeps the
         # order, so the products' minimum is the same number.
-        latest = np.minimum(newest, cost * rows)
+        latest = np.minimum(deviation[:, newest_slot], cost * rows)
         latest = latest[scored & ~np.isnan(latest)]
         if latest.size:
             # fsum: exactly the sum the reference takes, in any order.
@@ -480,8 +480,8 @@ class Scorer:
 _SELECT_DIRECTLY = 4096
 # Values sampled to bracket the ranks wanted...
 _SAMPLE = 512
-# ... and the margin, in sampled values either side (about four standard
-# deviations of a sampled rank).
+# ... and the margin, in sampled values either side (about 3.5 standard
+# deviations of a sampled rank: a miss, and a full partition, is rare).
 _MARGIN = 40
 
 
@@ -497,8 +497,9 @@ def _order_statistics(values, ranks):
     size = values.size
     if size <= _SELECT_DIRECTLY:
         return np.partition(values, ranks)[ranks]
-    # Odd: the values are a ring per replica; an even step would sample
-    # only some of its slots when the window is even.
+    # The values are each replica's window in turn: a step sharing a factor
+    # with the window samples only some of its readings (then a miss is
+    # likelier, the result the same). Odd, it shares none with even ones.
     step = size // _SAMPLE | 1
     sample = np.sort(values[::step])
     at = [rank * len(sample) // size for rank in ranks]

@@ -188,8 +188,9 @@ class ClockCheck:
             below, self._below + 1, np.where(measured, 0, self._below)
         )
         findings = []
-        floor = ~self.blind & (self._below >= self.patience)
-        for replica in np.flatnonzero(floor) if floor.any() else ():
+        for replica in np.flatnonzero(
+            ~self.blind & (self._below >= self.patience)
+        ):
             findings.append(
                 self._finding(
                     replica,
