@@ -204,6 +204,7 @@ def _graph():
 LAYERS = (
     (  # Foundations: argument checks, Keras flavours, strategy facts.
         "keras_hetero._checks",
+        "keras_hetero._environment",
         "keras_hetero._compat",
         "keras_hetero._batches",
         "keras_hetero._distribute",

@@ -10,11 +10,11 @@ keras_hetero.run`); `ports.py` finds free ports (also for
 `kh.testing.run_workers`).
 """
 
+from keras_hetero._environment import HANG_REPORT_ENV as HANG_REPORT_ENV
+from keras_hetero._environment import NUM_WORKERS_ENV as NUM_WORKERS_ENV
+from keras_hetero._environment import RESTART_ENV as RESTART_ENV
 from keras_hetero.launcher.cli import main as main
 from keras_hetero.launcher.cli import run_main as run_main
-from keras_hetero.launcher.group import HANG_REPORT_ENV as HANG_REPORT_ENV
-from keras_hetero.launcher.group import NUM_WORKERS_ENV as NUM_WORKERS_ENV
-from keras_hetero.launcher.group import RESTART_ENV as RESTART_ENV
 from keras_hetero.launcher.group import Attempt as Attempt
 from keras_hetero.launcher.group import LaunchResult as LaunchResult
 from keras_hetero.launcher.group import launch as launch

@@ -33,11 +33,10 @@ import threading
 import time
 
 from keras_hetero._checks import check_int
+from keras_hetero._environment import HANG_REPORT_ENV
+from keras_hetero._environment import NUM_WORKERS_ENV
+from keras_hetero._environment import RESTART_ENV
 from keras_hetero.launcher.ports import free_ports
-
-RESTART_ENV = "KERAS_HETERO_RESTART"
-NUM_WORKERS_ENV = "KERAS_HETERO_NUM_WORKERS"
-HANG_REPORT_ENV = "KERAS_HETERO_HANG_REPORT"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import _scalar_writer as writer
 from keras_hetero._checks import check_int
-from keras_hetero.launcher.group import HANG_REPORT_ENV
+from keras_hetero._environment import HANG_REPORT_ENV
 from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import links
 from keras_hetero.stragglers import scoring as straggler
