@@ -44,7 +44,7 @@ WHEEL_TESTS := tests/test_model_api.py tests/test_equivalence.py \
 .PHONY: install install-oldest demo demo-simulated test test-quick test-keras3 test-legacy \
 	test-legacy-all test-quick-keras3 test-quick-legacy test-oldest \
 	test-oldest-keras3 test-oldest-legacy conformance lint bench docs clean \
-	package package-check
+	package package-install package-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -184,14 +184,19 @@ package: $(STAMP)
 	$(BIN)/python -m build --sdist --wheel --outdir dist .
 	$(BIN)/twine check --strict dist/*
 
-## The wheel in a clean Python 3.12 venv: the quickstart and a core subset.
-package-check: package
+## The wheel in a clean Python 3.12 venv (CI installs it in the background
+## while the suite runs), then the quickstart and a core subset from it.
+package-install: package
 	rm -rf $(WHEEL_VENV)
 	$(WHEEL_PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/pip install --quiet --upgrade pip
 	$(WHEEL_VENV)/bin/pip install --quiet "$$(ls dist/*.whl)[report,tensorboard]" \
 		"pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5"
 	$(WHEEL_VENV)/bin/pip check
+	touch $(WHEEL_VENV)/.installed
+
+package-check:
+	test -f $(WHEEL_VENV)/.installed || $(MAKE) package-install
 	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python -c \
 		"import keras_hetero, sys; assert 'site-packages' in keras_hetero.__file__, keras_hetero.__file__; print(sys.version.split()[0], keras_hetero.__file__)" \
 		&& $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/examples/quickstart.py
