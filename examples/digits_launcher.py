@@ -1,21 +1,25 @@
 """Multi-worker training on scikit-learn's handwritten digits, started by
 `keras-hetero run`.
 
-    keras-hetero run --workers 2 examples/digits_launcher.py
+    keras-hetero run --workers 2 examples/digits_launcher.py --simulate-speeds
     python -m keras_hetero.run --workers 2 examples/digits_launcher.py
 
 The launcher starts two processes with a `TF_CONFIG` for a cluster on
 127.0.0.1; each builds a `MultiWorkerMirroredStrategy` from it (stock
-Keras 3 cannot `fit` there; `kh.HeteroModel` can). Worker 1 is SIMULATED to
-be four times slower per row (`kh.testing.SimulatedSpeed`), and
-`ShardRebalancer` moves rows to worker 0; every worker computes the same
-shares from the same all-reduced timings. With `--checkpoint DIR` an
-`ElasticCheckpoint` saves there, and a restarted job (the launcher restarts
-the group when a worker dies) continues at the next global batch.
+Keras 3 cannot `fit` there; `kh.HeteroModel` can). `ShardRebalancer` gives
+each worker rows in proportion to its measured speed; every worker computes
+the same shares from the same all-reduced timings. The workers of one
+machine are equally fast, so `--simulate-speeds` makes worker 1 SIMULATED
+four times slower per row (`kh.testing.SimulatedSpeed`) to give the
+rebalancer something to do; on really unequal devices leave it out. With
+`--checkpoint DIR` an `ElasticCheckpoint` saves there, and a restarted job
+(the launcher restarts the group when a worker dies) continues at the next
+global batch.
 
-The same script runs on a cluster: under Kubernetes the TFJob operator sets
-`TF_CONFIG`; under Slurm pass `--cluster slurm` (see docs/multi-machine.md).
-Run directly, without `TF_CONFIG`, it trains as a single worker.
+The same script runs on a cluster: on several hosts under `keras-hetero run
+--nnodes` (on Kubernetes: examples/k8s/), under Slurm with `--cluster
+slurm` (see docs/multi-machine.md). Run directly, without `TF_CONFIG`, it
+trains as a single worker.
 """
 
 import os
@@ -35,7 +39,9 @@ import keras_hetero as kh  # noqa: E402
 from keras_hetero import keras  # noqa: E402
 
 GLOBAL_BATCH = 64
-SECONDS_PER_ROW = [0.0005, 0.002]  # simulated: worker 1 is 4x slower
+# --simulate-speeds: seconds per row of worker 1 and of every other worker.
+SLOW_SECONDS_PER_ROW = 0.002
+FAST_SECONDS_PER_ROW = 0.0005
 
 
 def make_strategy(cluster):
@@ -47,11 +53,24 @@ def make_strategy(cluster):
     return tf.distribute.MultiWorkerMirroredStrategy()  # reads TF_CONFIG
 
 
+def simulated_seconds_per_row(replicas):
+    """Replica 1 SIMULATED 4x slower per row than the others."""
+    return [
+        SLOW_SECONDS_PER_ROW if replica == 1 else FAST_SECONDS_PER_ROW
+        for replica in range(replicas)
+    ]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--checkpoint", default=None, help="a shared dir")
     parser.add_argument("--cluster", choices=["tf_config", "slurm"])
+    parser.add_argument(
+        "--simulate-speeds",
+        action="store_true",
+        help="make worker 1 SIMULATED 4x slower (it sleeps)",
+    )
     args = parser.parse_args(argv)
 
     strategy = make_strategy(args.cluster)
@@ -61,8 +80,11 @@ def main(argv=None):
     x_train, y_train, x_test, y_test = load()
     with strategy.scope():
         inputs = keras.Input((64,))
-        slow = kh.testing.SimulatedSpeed(SECONDS_PER_ROW)(inputs)
-        model = compile_for_digits(kh.HeteroModel(inputs, layers(slow)))
+        hidden = inputs
+        if args.simulate_speeds:
+            speeds = simulated_seconds_per_row(workers)
+            hidden = kh.testing.SimulatedSpeed(speeds)(inputs)
+        model = compile_for_digits(kh.HeteroModel(inputs, layers(hidden)))
     data = kh.data.shard(
         examples(x_train, y_train), GLOBAL_BATCH, strategy=strategy
     )
@@ -75,9 +97,14 @@ def main(argv=None):
         examples(x_test, y_test), GLOBAL_BATCH, strategy=strategy
     )
     _, accuracy = model.evaluate(held_out, verbose=0)
+    speeds = (
+        "SIMULATED: worker 1 4x slower"
+        if args.simulate_speeds
+        else "measured speeds"
+    )
     print(
         f"worker {worker} of {workers}: shares {np.round(data.shares, 2)} "
-        f"(SIMULATED speeds 4 : 1), held-out accuracy {accuracy:.3f}"
+        f"({speeds}), held-out accuracy {accuracy:.3f}"
     )
 
 

@@ -169,6 +169,7 @@ def test_launcher_two_workers(tmp_path):
             "--max-restarts",
             "0",
             str(EXAMPLES / LAUNCHED),
+            "--simulate-speeds",
             "--epochs",
             "2",
             "--checkpoint",
