@@ -161,21 +161,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/steps_per_execution.py
 
 ## Every script in benchmarks/ (but the _-prefixed shared modules) in its
-## --smoke mode, one after another: tiny sizes, seconds each, the same
-## tables (their figures mean nothing). Checks that each still runs; prints
-## each one's wall time and its output if it failed; fails if any failed.
+## --smoke mode, two at a time: tiny sizes, seconds each, the same tables
+## (their figures mean nothing). Checks that each still runs; prints each
+## one's wall time and its output if it failed; fails if any failed.
 .PHONY: bench-smoke
 bench-smoke: $(STAMP)
-	@status=0; all=$$(date +%s); \
-	for script in benchmarks/[!_]*.py; do \
-		log=$$(mktemp); start=$$(date +%s.%N); \
-		timeout 600 $(BIN)/python $$script --smoke >$$log 2>&1; code=$$?; \
-		seconds=$$(echo "$$start $$(date +%s.%N)" | awk '{printf "%5.1f", $$2 - $$1}'); \
-		if [ $$code = 0 ]; then echo "ok      $$seconds s  $$script"; \
-		else cat $$log; echo "FAILED  $$seconds s  $$script (exit $$code)"; status=1; fi; \
-		rm -f $$log; \
-	done; \
-	echo "total   $$(($$(date +%s) - all)) s"; exit $$status
+	$(BIN)/python benchmarks/_smoke.py
 
 ## The documentation site (mkdocs.yml, docs/) into site/; warnings fail.
 ## Build the sdist and wheel into dist/ and check them.
