@@ -122,10 +122,14 @@ test-oldest-keras3: $(OLD_STAMP)
 	exit $$status
 
 # tf-keras 2.19 leaves out the docs pages, examples and quickstart (the same
-# public code the other runs cover) and the source's static checks.
+# public code the other runs cover), the source's static checks, and the
+# files with no Keras in what they test (benchmark command lines, the
+# Kubernetes manifests, the launcher's rendezvous).
 OLDEST_LEGACY_SKIP := --ignore=tests/test_docs.py \
 	--ignore=tests/test_docs_site.py --ignore=tests/test_examples.py \
-	--ignore=tests/test_quickstart.py --ignore=tests/test_structure.py
+	--ignore=tests/test_quickstart.py --ignore=tests/test_structure.py \
+	--ignore=tests/test_benchmarks.py --ignore=tests/test_k8s_manifests.py \
+	--ignore=tests/test_launcher_hosts.py
 
 test-oldest-legacy: $(OLD_STAMP)
 	export TF_USE_LEGACY_KERAS=1; \
