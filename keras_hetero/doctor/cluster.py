@@ -241,8 +241,31 @@ def gather_speeds(strategy, speeds):
     slots = np.zeros([task.num_workers * local], np.float64)
     start = task.worker_index * local
     slots[start : start + local] = speeds
-    summed = _sum_over_workers(strategy, _allreduce_function(strategy), slots)
+    allreduce = _allreduce_function(strategy)
+    summed = _sum_over_workers(strategy, allreduce, slots)
+    _part(strategy, allreduce)
     return [float(value) for value in summed]
+
+
+def _part(strategy, allreduce):
+    """One last all-reduce, so that no worker leaves before every peer has
+    received its part of the previous one.
+
+    A worker's all-reduce can complete while a peer still fetches a buffer
+    from it (`RecvBuf`); a worker that then exits makes the peer's
+    collective fail with "Socket closed" (seen in CI). Finishing this one
+    proves every peer entered it, so finished the previous one. This one
+    may itself fail on a peer that already left, after the results are
+    final: that failure is ignored.
+    """
+    try:
+        _sum_over_workers(strategy, allreduce, np.zeros([1], np.float64))
+    except (
+        tf.errors.UnavailableError,
+        tf.errors.AbortedError,
+        tf.errors.CancelledError,
+    ):
+        pass
 
 
 def _allreduce_function(strategy):
