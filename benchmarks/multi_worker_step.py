@@ -116,8 +116,6 @@ class _Collectives(kh.keras.callbacks.Callback):
             for node in nodes:
                 if node.op.startswith(COLLECTIVE_OPS):
                     self.counts[node.op] += 1
-                    if os.environ.get("KH_DEBUG_COLLECTIVES"):
-                        print("COLLECTIVE", node.name, list(node.input))
 
 
 def _worker(model_kind, input_kind, steps_per_execution, width, steps):
