@@ -22,7 +22,10 @@ Variants: HeteroModel on `kh.data.shard` (every worker an element for every
 step: no per-step "has data" check); HeteroModel on `dataset.batch` (Keras'
 own distribution of the input, with tf.distribute's per-step check);
 stock `keras.Model` on `dataset.batch` under tf-keras (stock Keras 3 cannot
-fit under this strategy, docs/strategies.md); `steps_per_execution=4`.
+fit under this strategy, docs/strategies.md); `steps_per_execution=4`;
+`CommunicationOptions(bytes_per_pack=1 MiB)` (the gradients all-reduced
+in packs of at most that size, several collectives after the backward
+pass instead of one).
 The second HeteroModel row repeats the first: the A/A spread. A last table
 times a bare all-reduce of the gradients' size between the same two
 workers: the collective's latency alone.
@@ -32,6 +35,7 @@ Run: `python benchmarks/multi_worker_step.py` (Keras 3), then with
 """
 
 import collections
+import functools
 import os
 import time
 
@@ -64,7 +68,14 @@ VARIANTS = {
         4,
         2,
     ),
+    "HeteroModel, kh.data.shard, bytes_per_pack=1 MiB": (
+        "hetero-packs",
+        "shard",
+        1,
+        2,
+    ),
 }
+BYTES_PER_PACK = 1 << 20
 COLLECTIVE_OPS = ("Collective", "Nccl")
 
 
@@ -137,6 +148,11 @@ def _worker(model_kind, input_kind, steps_per_execution, width, steps):
     passes = -(-(steps + 2) * steps_per_execution // 8) + 1
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat(passes)
     model_class = keras.Model if model_kind == "stock" else kh.HeteroModel
+    if model_kind == "hetero-packs":
+        options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=BYTES_PER_PACK
+        )
+        model_class = functools.partial(kh.HeteroModel, communication=options)
     with strategy.scope():
         model = compile_model(
             build_model("mlp", model_class, width=width), steps_per_execution
