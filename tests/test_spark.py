@@ -205,3 +205,32 @@ def test_import_without_pyspark_names_the_extra():
     )
     assert done.returncode == 3, done.stderr[-2000:]
     assert 'pip install "keras-hetero[spark]"' in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.one_flavour
+def test_example_script_trains(tmp_path):
+    # Its own local Spark (a second driver JVM), 2 workers, 1 epoch.
+    if not _has_java():
+        pytest.skip("Spark needs Java, which is not installed")
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "spark_train.py"),
+            "--epochs",
+            "1",
+            "--data",
+            str(tmp_path / "train"),
+            "--checkpoints",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert "attempts: 1" in lines
+    losses = [line.split(": ", 1)[1] for line in lines if "loss" in line]
+    assert len(losses) == 2 and losses[0] == losses[1], done.stdout
