@@ -120,6 +120,8 @@ def _assert_single_device(result, reference):
 def test_two_barrier_tasks_train_as_one_device(spark, parquet, reference):
     result = kh.spark.run(spark_tasks.train, 2, args=(parquet,), spark=spark)
     assert result.attempts == 1
+    # The job group that labelled its jobs is gone.
+    assert spark.sparkContext.getLocalProperty("spark.jobGroup.id") is None
     assert [value["attempt"] for value in result.values] == [0, 0]
     assert [value["first_step"] for value in result.values] == [1, 1]
     _assert_single_device(result, reference)

@@ -22,6 +22,12 @@ cloudpickle.register_pickle_by_value(_task)
 
 # Passed on from the driver when set there: the Keras flavour must match.
 _DRIVER_ENV = ("KERAS_BACKEND",)
+# What `SparkContext.setJobGroup` sets.
+_JOB_PROPERTIES = (
+    "spark.jobGroup.id",
+    "spark.job.description",
+    "spark.job.interruptOnCancel",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +162,9 @@ def run(
             },
             attempt,
         )
+        # The job group (cancelled on Ctrl-C) and description label our
+        # jobs only: the caller's are restored afterwards.
+        saved = {key: context.getLocalProperty(key) for key in _JOB_PROPERTIES}
         context.setJobGroup(
             group,
             f"keras-hetero: {num_workers} workers, attempt {attempt}",
@@ -188,6 +197,9 @@ def run(
                 failure,
             )
             continue
+        finally:
+            for key, value in saved.items():
+                context.setLocalProperty(key, value)
         values = [None] * num_workers
         for index, value in pairs:
             values[index] = pickle.loads(value)
