@@ -6,26 +6,28 @@ train step to `<out>/attempt<restart>-worker<task>.jsonl` with the global
 step and the example ids this worker's replicas trained on, and can kill or
 signal itself: at the k-th step of `--fault-at` in attempt k (restarts are
 counted by KERAS_HETERO_RESTART), so one launcher job is killed several
-times. `--input` picks the input kind (tests/elastic_inputs.py).
+times. `--input` picks the input kind (tests/support/elastic_inputs.py).
 """
 
 import argparse
 import json
 import os
+import pathlib
 import signal
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository, for `tests.support`.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import elastic_inputs  # noqa: E402
-import helpers  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_hetero as kh  # noqa: E402
 from keras_hetero import _compat  # noqa: E402
 from keras_hetero._compat import keras  # noqa: E402
+from tests.support import elastic_inputs  # noqa: E402
+from tests.support import helpers  # noqa: E402
 
 BATCH = 8  # 10 global batches per epoch of elastic_inputs.ROWS
 

@@ -1,10 +1,11 @@
-"""`elastic_train.py` under the multi-host launcher (test_launcher_hosts).
+"""`elastic_train.py` under the multi-host launcher.
 
-Prints what the launcher gave this worker (`TF_CONFIG` task, worker count,
-`CUDA_VISIBLE_DEVICES`), then runs `elastic_train.py` with the remaining
-arguments. `--slow-attempt K --slow-step-seconds S`: in attempt K, sleep S
-seconds after each step instead of `--step-seconds`, so a test can act
-while that attempt trains, however loaded the machine.
+Run by tests/launcher/test_hosts.py. Prints what the launcher gave this
+worker (`TF_CONFIG` task, worker count, `CUDA_VISIBLE_DEVICES`), then runs
+`elastic_train.py` with the remaining arguments. `--slow-attempt K
+--slow-step-seconds S`: in attempt K, sleep S seconds after each step
+instead of `--step-seconds`, so a test can act while that attempt trains,
+however loaded the machine.
 """
 
 import json

@@ -1,11 +1,11 @@
 """TensorFlow's "Multi-worker training with Keras" tutorial, with HeteroModel.
 
-Run by `keras-hetero run` (test_multi_worker_callbacks.py). The tutorial's
-code path (TF_CONFIG, MultiWorkerMirroredStrategy, `mnist_setup`-style
-dataset and CNN, `fit(..., steps_per_epoch=...)` with Keras' own callbacks)
-on synthetic 8x8 "images"; the only change is the model class. Each epoch is
-one pass over the examples in a fixed order, so a resumed run sees the same
-batches as an uninterrupted one.
+Run by `keras-hetero run` (tests/training/test_keras_callbacks.py). The
+tutorial's code path (TF_CONFIG, MultiWorkerMirroredStrategy,
+`mnist_setup`-style dataset and CNN, `fit(..., steps_per_epoch=...)` with
+Keras' own callbacks) on synthetic 8x8 "images"; the only change is the
+model class. Each epoch is one pass over the examples in a fixed order, so a
+resumed run sees the same batches as an uninterrupted one.
 
 `--scenario tutorial`: BackupAndRestore, ModelCheckpoint, CSVLogger (and
 TensorBoard if the `tensorboard` package is installed) under `--root`;
@@ -23,11 +23,13 @@ Each worker writes `<out>/worker<i>.json` (what it saw) and
 import argparse
 import json
 import os
+import pathlib
 import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository, for `tests.support`.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -155,7 +157,7 @@ def tutorial(args, strategy, record):
 
 
 def early_stopping(args, strategy, record):
-    import helpers
+    from tests.support import helpers
 
     os.makedirs(args.root, exist_ok=True)
     with strategy.scope():

@@ -1,0 +1,501 @@
+"""ElasticCheckpoint in one process: exact resume, atomicity, bad input."""
+
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_hetero as kh
+from keras_hetero import checkpointing
+from keras_hetero._compat import keras
+from tests.conftest import DEVICES
+from tests.support import helpers
+
+BATCH = 8
+ROWS = 80  # 10 global batches per epoch
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops `fit` after `steps` train steps (a stand-in for a crash that
+    happens right after a save)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+        self.done = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.steps:
+            self.model.stop_training = True
+
+
+class StepIds(keras.callbacks.Callback):
+    """Splits the ids a RecordIds layer saw into train steps."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen, self.steps, self._mark = seen, [], 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append(sorted(self.seen[self._mark :]))
+        self._mark = len(self.seen)
+
+
+def _model(strategy, seen, seed, steps_per_execution=1):
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        return helpers.id_model(seen, 0.0, steps_per_execution)
+
+
+def _data(strategy, shares=None):
+    return kh.data.shard(
+        helpers.id_examples(ROWS), BATCH, strategy=strategy, shares=shares
+    )
+
+
+def _interrupted_run(strategy, directory, steps, shares=None):
+    """Trains until `steps`, saving every step; returns the ids it used."""
+    seen = []
+    model = _model(strategy, seen, seed=1)
+    model.fit(
+        _data(strategy, shares),
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(directory, save_every=1),
+            StopAfter(steps),
+        ],
+    )
+    return seen
+
+
+def _resumed_run(strategy, directory, epochs):
+    """A fresh model (other initial weights) fit with a checkpoint in
+    `directory`; returns the model and the ids it trained on."""
+    seen = []
+    model = _model(strategy, seen, seed=2)
+    model.fit(
+        _data(strategy),
+        epochs=epochs,
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(directory)],
+    )
+    return model, seen
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_mid_epoch_resume_continues_exactly(tmp_path, async_save):
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+
+    seen = []
+    first = _model(strategy, seen, seed=1)
+    first.set_weights(initial)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        tmp_path, save_every=3, async_save=async_save
+    )
+    first.fit(
+        _data(strategy, [0.75, 0.25]),
+        epochs=2,
+        verbose=0,
+        callbacks=[ckpt, StopAfter(4)],
+    )
+    assert ckpt.restored_from is None
+    assert checkpointing.read_latest(tmp_path) == "ckpt-0000000004"
+    trained_before = list(seen)
+    assert len(trained_before) == 4 * BATCH
+
+    # A new process would build the model afresh: other initial weights.
+    seen.clear()
+    second = _model(strategy, seen, seed=99)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=3)
+    history = second.fit(
+        _data(strategy), epochs=2, verbose=0, callbacks=[resumed]
+    )
+    assert resumed.restored_from.endswith("ckpt-0000000004")
+    epoch0 = trained_before + seen[: ROWS - len(trained_before)]
+    epoch1 = seen[ROWS - len(trained_before) :]
+    assert sorted(epoch0) == list(range(ROWS))
+    assert sorted(epoch1) == list(range(ROWS))
+    assert len(history.history["loss"]) == 2
+    # Same shares restored (the checkpoint carried them).
+    np.testing.assert_allclose(second_shares(resumed), [0.75, 0.25])
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_resume_counts_steps_not_calls(tmp_path, steps_per_execution):
+    # Keras calls the batch callbacks once per `steps_per_execution` steps.
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+
+    seen = []
+    first = _model(strategy, seen, 1, steps_per_execution)
+    first.set_weights(initial)
+    first.fit(
+        _data(strategy, [0.75, 0.25]),
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(
+                tmp_path, save_every=steps_per_execution
+            ),
+            StopAfter(2),
+        ],
+    )
+    trained = 2 * steps_per_execution
+    assert checkpointing.read_latest(tmp_path) == (
+        checkpointing.checkpoint_name(trained)
+    )
+    trained_before = list(seen)
+    assert len(trained_before) == trained * BATCH
+
+    seen.clear()
+    second = _model(strategy, seen, 99, steps_per_execution)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path)
+    second.fit(_data(strategy), epochs=2, verbose=0, callbacks=[resumed])
+    epoch0 = trained_before + seen[: ROWS - len(trained_before)]
+    assert sorted(epoch0) == list(range(ROWS))
+    assert sorted(seen[ROWS - len(trained_before) :]) == list(range(ROWS))
+    assert int(second.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+def second_shares(callback):
+    state = checkpointing.verify(
+        os.path.join(
+            callback.directory, checkpointing.read_latest(callback.directory)
+        )
+    )
+    return state["shares"]
+
+
+def test_resume_with_fewer_replicas_is_exactly_once(tmp_path):
+    two = helpers.mirrored(DEVICES[:2])
+    before = _interrupted_run(two, tmp_path, 6, shares=[0.25, 0.75])
+    seen = []
+    one = helpers.mirrored(DEVICES[:1])
+    model = _model(one, seen, seed=5)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1)
+    model.fit(_data(one), epochs=1, verbose=0, callbacks=[resumed])
+    assert resumed.restored_from is not None
+    assert sorted(before + seen) == list(range(ROWS))
+
+
+def test_truncated_latest_falls_back_to_previous(tmp_path, caplog):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        tmp_path, save_every=2, async_save=False, keep=5
+    )
+    model.fit(
+        _data(strategy), epochs=1, verbose=0, callbacks=[ckpt, StopAfter(6)]
+    )
+    names = checkpointing.list_checkpoints(tmp_path)
+    assert names == ["ckpt-0000000002", "ckpt-0000000004", "ckpt-0000000006"]
+    data_file = [
+        f
+        for f in os.listdir(tmp_path / names[-1])
+        if f.startswith(checkpointing.TENSORS + ".data")
+    ][0]
+    path = tmp_path / names[-1] / data_file
+    path.write_bytes(path.read_bytes()[:-4])
+
+    seen = []
+    resumed_model = _model(strategy, seen, seed=3)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=100)
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        resumed_model.fit(
+            _data(strategy), epochs=1, verbose=0, callbacks=[resumed]
+        )
+    assert resumed.restored_from.endswith("ckpt-0000000004")
+    assert "skipping checkpoint ckpt-0000000006" in caplog.text
+    assert "truncated" in caplog.text
+    assert len(seen) == ROWS - 4 * BATCH
+
+
+def test_keeps_newest_and_never_leaves_partial_directories(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    ckpt = kh.callbacks.ElasticCheckpoint(
+        tmp_path, save_every=1, keep=2, async_save=False
+    )
+    model.fit(_data(strategy), epochs=1, verbose=0, callbacks=[ckpt])
+    assert checkpointing.list_checkpoints(tmp_path) == [
+        "ckpt-0000000009",
+        "ckpt-0000000010",
+    ]
+    assert checkpointing.read_latest(tmp_path) == "ckpt-0000000010"
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    assert leftovers == []
+    assert [step for step, _, _ in ckpt.saves] == list(range(1, 11))
+
+
+def test_async_saves_never_overlap(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    ckpt = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1, keep=20)
+    model.fit(_data(strategy), epochs=1, verbose=0, callbacks=[ckpt])
+    steps = [step for step, _, _ in ckpt.saves]
+    # Every save is complete on disk, a step that came while one was in
+    # flight waited for the next boundary, and the last step is saved.
+    assert steps == sorted(set(steps)) and steps[-1] == 10
+    names = checkpointing.list_checkpoints(tmp_path)
+    assert names == [checkpointing.checkpoint_name(s) for s in steps]
+    for name in names:
+        checkpointing.verify(os.path.join(tmp_path, name))
+    assert all(w is not None for _, _, w in ckpt.saves)
+
+
+def test_finished_job_restarts_as_a_no_op(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    model.fit(
+        _data(strategy),
+        epochs=1,
+        verbose=0,
+        callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+    )
+    weights = model.get_weights()
+    again, seen = _resumed_run(strategy, tmp_path, epochs=1)
+    assert seen == []
+    helpers.assert_weights_close(again.get_weights(), weights)
+
+
+def test_rebalancer_state_travels_with_the_checkpoint(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    data = _data(strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=2)
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            rebalancer,
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            StopAfter(5),
+        ],
+    )
+    saved = rebalancer.get_state()
+    data = _data(strategy)
+    restored = kh.callbacks.ShardRebalancer(data, every_n_steps=2)
+    probe = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not probe:
+                probe.append(restored.get_state())
+
+    model = _model(strategy, [], seed=1)
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            restored,
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1),
+            Probe(),
+        ],
+    )
+    assert probe[0]["steps"] == saved["steps"]
+    np.testing.assert_allclose(probe[0]["readings"], saved["readings"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"save_every": "soon"}, "save_every='soon'"),
+        ({"save_every": 0}, "save_every=0"),
+        ({"save_every": "-5m"}, "save_every='-5m'"),
+        ({"keep": 0}, "keep=0"),
+        ({"mtbf": "never"}, "mtbf='never'"),
+    ],
+)
+def test_bad_arguments_fail_before_training(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kh.callbacks.ElasticCheckpoint(tmp_path, **kwargs)
+
+
+def test_unwritable_directory_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot be written"):
+        kh.callbacks.ElasticCheckpoint(blocker / "ckpt")
+
+
+def test_plain_dataset_is_rejected(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    with pytest.raises(ValueError, match="HeteroDataset"):
+        model.fit(
+            helpers.id_examples(ROWS).batch(BATCH),
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+            verbose=0,
+        )
+
+
+def test_different_model_is_a_clear_error(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    _interrupted_run(strategy, tmp_path, 2)
+    with strategy.scope():
+        other = helpers.hetero_model()
+    data = kh.data.shard(helpers.examples(), BATCH, strategy=strategy)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        other.fit(
+            data,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+        )
+
+
+def test_young_daly_interval_and_parsing():
+    assert checkpointing.parse_save_every(25).steps == 25
+    assert checkpointing.parse_save_every("90s").seconds == 90.0
+    assert checkpointing.parse_save_every("2h").seconds == 7200.0
+    assert checkpointing.parse_save_every("auto").auto
+    # sqrt(2 * 2 s * 3600 s) = 120 s; a slow background write bounds it.
+    assert checkpointing.young_daly_interval(2.0, 3600) == pytest.approx(120)
+    assert checkpointing.young_daly_interval(2.0, 3600, minimum=300) == 300
+
+
+def test_save_after_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+    model = _model(strategy, [], seed=1)
+    model.set_weights(initial)
+    # Step 10 ends epoch 0; its save comes before Keras ends the epoch.
+    model.fit(
+        _data(strategy),
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kh.callbacks.ElasticCheckpoint(tmp_path, save_every=10),
+            StopAfter(11),
+        ],
+    )
+    shutil.rmtree(tmp_path / "ckpt-0000000011")
+    os.remove(tmp_path / checkpointing.LATEST)
+    state = checkpointing.verify(tmp_path / "ckpt-0000000010")
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 0)
+    again, seen = _resumed_run(strategy, tmp_path, epochs=2)
+    assert sorted(seen) == list(range(ROWS))
+    helpers.assert_weights_close(again.get_weights(), reference.get_weights())
+
+
+def test_resume_with_another_global_batch_scales_the_learning_rate(
+    tmp_path, caplog
+):
+    strategy = helpers.mirrored(DEVICES[:2])
+    before = _interrupted_run(strategy, tmp_path, 3)
+    seen = []
+    model = _model(strategy, seen, seed=1)
+    bigger = kh.data.shard(helpers.id_examples(ROWS), 12, strategy=strategy)
+    with pytest.raises(ValueError, match="global batch size 8; the dataset"):
+        model.fit(
+            bigger,
+            verbose=0,
+            callbacks=[kh.callbacks.ElasticCheckpoint(tmp_path)],
+        )
+    steps = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(model.step_stats.rows.sum())
+
+    resumed = kh.callbacks.ElasticCheckpoint(
+        tmp_path, resize="scale_learning_rate"
+    )
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        model.fit(bigger, verbose=0, callbacks=[resumed, Steps()])
+    assert float(np.asarray(model.optimizer.learning_rate)) == pytest.approx(
+        0.05 * 12 / 8
+    )
+    assert "linear scaling rule" in caplog.text
+    # 56 examples were left: 4 batches of 12 and one of 8.
+    assert steps == [12, 12, 12, 12, 8]
+    assert sorted(before + seen) == list(range(ROWS))
+
+
+def test_bad_resize_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="resize='shrink'"):
+        kh.callbacks.ElasticCheckpoint(tmp_path, resize="shrink")
+
+
+def test_shuffled_array_input_resumes_with_the_epoch_order(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    x, y, _, ids = helpers.arrays(ROWS)
+    inputs = {"x": x, "id": ids}
+
+    def fit(model, seen, callbacks):
+        steps = StepIds(seen)
+        model.fit(
+            inputs,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[*callbacks, steps],
+        )
+        return steps.steps
+
+    seen = []
+    reference = _model(strategy, seen, seed=1)
+    initial = reference.get_weights()
+    expected = fit(reference, seen, [])
+
+    seen = []
+    first = _model(strategy, seen, seed=1)
+    first.set_weights(initial)
+    ckpt = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=1)
+    before = fit(first, seen, [ckpt, StopAfter(13)])  # epoch 1, step 3
+    # A new process: other random state, so another shuffle seed would be
+    # drawn; the checkpoint's seed and pass give the epoch its order back.
+    seen = []
+    second = _model(strategy, seen, seed=99)
+    resumed = kh.callbacks.ElasticCheckpoint(tmp_path)
+    after = fit(second, seen, [resumed])
+    assert resumed.restored_from is not None
+    assert expected[0] != expected[10]  # the epochs' orders differ
+    assert before + after == expected  # the same global batches
+    helpers.assert_weights_close(second.get_weights(), reference.get_weights())
+
+
+def test_one_replica_shards_arrays_for_the_checkpoint(tmp_path):
+    # With one replica fit keeps Keras' adapter, unless an ElasticCheckpoint
+    # needs the data position: then it shards the arrays, and resumes.
+    strategy = tf.distribute.get_strategy()
+    x, y, _, ids = helpers.arrays(ROWS)
+
+    def fit(model, seen, directory, stop=None):
+        steps = StepIds(seen)
+        callbacks = [kh.callbacks.ElasticCheckpoint(directory, save_every=1)]
+        model.fit(
+            {"x": x, "id": ids},
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[*callbacks, *([StopAfter(stop)] if stop else []), steps],
+        )
+        return steps.steps
+
+    seen = []
+    expected = fit(_model(strategy, seen, seed=1), seen, tmp_path / "a")
+    seen = []
+    before = fit(_model(strategy, seen, seed=1), seen, tmp_path / "b", stop=7)
+    seen = []
+    after = fit(_model(strategy, seen, seed=5), seen, tmp_path / "b")
+    assert before + after == expected
+    in_order = [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(10)]
+    assert expected[:10] != in_order  # shuffled (Keras' default)

@@ -1,0 +1,691 @@
+"""ElasticCheckpoint and the launcher with real processes (slow).
+
+The worker script is `tests/scripts/elastic_train.py`: 80 examples, global
+batch 8 (10 steps per epoch), 2 epochs; it records the ids each train step
+used, per attempt and worker. Input kinds (shuffled Dataset, arrays,
+Parquet, TFRecord, random augmentation) are in
+`tests/support/elastic_inputs.py`.
+"""
+
+import glob
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_hetero as kh
+from keras_hetero import checkpointing
+from keras_hetero import launcher
+from keras_hetero._compat import keras
+from keras_hetero.data.arrays import from_arrays
+from tests.conftest import DEVICES
+from tests.support import elastic_inputs
+from tests.support import helpers
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "scripts", "elastic_train.py"
+)
+ROWS, BATCH, STEPS_PER_EPOCH = 80, 8, 10
+
+
+def _records(out, attempt):
+    """{step: ids of all workers} of one attempt."""
+    steps = {}
+    for path in glob.glob(os.path.join(out, f"attempt{attempt}-worker*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                steps.setdefault(record["step"], []).extend(record["ids"])
+    return steps
+
+
+def _committed(out, resumed_from):
+    """Ids per step of the run as it counts: attempt 0 up to the restored
+    step, attempt 1 after it."""
+    first, second = _records(out, 0), _records(out, 1)
+    steps = {s: ids for s, ids in first.items() if s <= resumed_from}
+    assert set(second) & set(steps) == set()
+    steps.update(second)
+    return steps
+
+
+def _restored_step(out):
+    second = _records(out, 1)
+    return min(second) - 1
+
+
+def _committed_attempts(out):
+    """Ids per step of a run restarted any number of times, and the step
+    each attempt started after: attempt k counts up to the step attempt
+    k + 1 restored, the last one to its end."""
+    attempts = len(glob.glob(os.path.join(out, "attempt*-worker0.jsonl")))
+    records = [_records(out, attempt) for attempt in range(attempts)]
+    restored = [0] + [min(steps) - 1 for steps in records[1:]]
+    committed = {}
+    for attempt, steps in enumerate(records):
+        last = restored[attempt + 1] if attempt + 1 < attempts else np.inf
+        for step, ids in steps.items():
+            if restored[attempt] < step <= last:
+                committed[step] = ids
+    return committed, restored
+
+
+def _assert_exactly_once(steps, epochs=2):
+    assert sorted(steps) == list(range(1, epochs * STEPS_PER_EPOCH + 1))
+    for epoch in range(epochs):
+        ids = []
+        for step in range(
+            epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1
+        ):
+            ids += steps[step]
+        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
+
+
+def _assert_same_batches(steps, expected):
+    """Every step trained the global batch of the uninterrupted run."""
+    assert sorted(steps) == sorted(expected)
+    for step in sorted(expected):
+        assert sorted(steps[step]) == sorted(expected[step]), f"step {step}"
+
+
+def _one_device_run(initial, make_data, epochs):
+    """One-device training on `make_data(strategy)`: final weights and
+    `{step: ids}`."""
+    strategy = helpers.mirrored(DEVICES[:1])
+    seen, steps = [], {}
+    with strategy.scope():
+        model = helpers.id_model(seen, 0.0)
+    model.set_weights(initial)
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps[int(model.optimizer.iterations.numpy())] = list(seen)
+            seen.clear()
+
+    model.fit(
+        make_data(strategy), epochs=epochs, verbose=0, callbacks=[Record()]
+    )
+    return model.get_weights(), steps
+
+
+def _shuffle_seed(ckpt):
+    """The array shuffle seed the job chose (in every checkpoint)."""
+    names = checkpointing.list_checkpoints(ckpt)
+    seeds = {
+        checkpointing.verify(os.path.join(ckpt, name))["shuffle_seed"]
+        for name in names
+    }
+    assert len(seeds) == 1 and None not in seeds, seeds
+    return seeds.pop()
+
+
+def _reference_data(kind, data_dir, ckpt):
+    """`make_data` of the one-device reference of an input kind."""
+    if kind == "arrays":
+        # fit(shuffle=True) orders pass p by (seed, p), the seed drawn when
+        # training starts and saved in every checkpoint.
+        seed = _shuffle_seed(ckpt)
+        x, y = elastic_inputs.arrays()
+        return lambda strategy: from_arrays(
+            x, y, batch_size=BATCH, strategy=strategy, shuffle=True, seed=seed
+        )
+    if kind == "augment":
+        kind = "shard"  # the same examples in the same order
+    # The file-list shuffle of "tfrecord" depends on the global seed, which
+    # the workers set to 1.
+    keras.utils.set_random_seed(1)
+    return lambda strategy: elastic_inputs.dataset(
+        kind, BATCH, strategy, data_dir
+    )
+
+
+def _reference(initial):
+    strategy = helpers.mirrored(DEVICES[:1])
+    with strategy.scope():
+        model = helpers.id_model([], 0.0)
+    model.set_weights(initial)
+    data = kh.data.shard(helpers.id_examples(ROWS), BATCH, strategy=strategy)
+    model.fit(data, epochs=2, verbose=0)
+    return model.get_weights()
+
+
+def _launch(out, ckpt, workers, extra, max_restarts):
+    log = io.StringIO()
+    started = time.perf_counter()
+    result = launcher.launch(
+        [sys.executable, SCRIPT, "--out", out, "--ckpt", ckpt] + extra,
+        workers,
+        max_restarts=max_restarts,
+        # The surviving worker waits in a collective for the killed one:
+        # it never exits on SIGTERM, so grace is dead time.
+        grace_seconds=1,
+        output=log,
+    )
+    seconds = time.perf_counter() - started
+    print(
+        f"launcher job {extra}: {seconds:.1f}s, {len(result.attempts)} "
+        "attempt(s)"
+    )
+    return result, log.getvalue()
+
+
+def _load(path):
+    with np.load(path) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def test_kill_9_a_worker_under_the_launcher_then_finish_exactly(tmp_path):
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    fault_at = int(np.random.default_rng().integers(3, 16))
+    log = io.StringIO()
+    result = launcher.launch(
+        [
+            sys.executable,
+            SCRIPT,
+            "--out",
+            out,
+            "--ckpt",
+            ckpt,
+            "--fault-at",
+            str(fault_at),
+            "--save-every",
+            "2",
+        ],
+        2,
+        max_restarts=2,
+        grace_seconds=5,
+        output=log,
+    )
+    context = f"fault_at={fault_at}\n" + log.getvalue()[-4000:]
+    assert result.exit_code == 0, context
+    assert len(result.attempts) == 2, context
+    assert result.attempts[0].failed == (1,)
+    assert result.attempts[0].exit_codes[1] == -signal.SIGKILL
+    assert "[worker 1]" in log.getvalue() and "[launcher]" in log.getvalue()
+    resumed_from = _restored_step(out)
+    assert resumed_from <= fault_at, context
+    _assert_exactly_once(_committed(out, resumed_from))
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = _load(os.path.join(out, "attempt1-worker0-final.npz"))
+    helpers.assert_weights_close(final, _reference(initial))
+
+
+EPOCHS = 3
+
+# input kind -> (kill steps, one per attempt; save settings). With 10 steps
+# per epoch the kills hit the first (1, 11, 21) and last (10, 20) step of
+# epochs and their middle, so resumes start mid-epoch and at epoch
+# boundaries. Each kill costs a restart (~10 s), so only the shuffled
+# Dataset gets five; the other kinds reuse its mechanism (the pass order by
+# (seed, pass)) on another source and get an epoch end and a mid-epoch
+# resume. "tfrecord" saves every 3 steps in the background, so its resumes
+# also replay steps trained after the newest checkpoint, and a
+# ShardRebalancer moves the shares (worker 0 is simulated slower).
+SYNC = ["--save-every", "1", "--sync-save"]
+# The input kinds differ below Keras (the pipeline and its resume position);
+# under tf-keras `kh.data.shard` stands for them (each kind's flavour-specific
+# entry is tested in-process under both flavours).
+ONE_FLAVOUR = pytest.mark.one_flavour
+KILLS = {
+    "shard": ("1,10,11,17,20", SYNC),
+    "arrays": ("2,10,21", SYNC),
+    "arrow": ("10,13", SYNC),
+    "tfrecord": ("5,20", ["--save-every", "3", "--rebalance"]),
+}
+
+
+def _run_killed(tmp_path, kind, faults, save, name="out"):
+    """A 2-worker launcher job of `kind` whose worker 1 is killed (SIGKILL)
+    at each step of `faults` in turn; returns the committed ids per step
+    and the step each attempt resumed after."""
+    out, ckpt = str(tmp_path / name), str(tmp_path / (name + "-ckpt"))
+    data_dir = str(tmp_path / "data")
+    fault_steps = [int(step) for step in faults.split(",") if step]
+    result, log = _launch(
+        out,
+        ckpt,
+        2,
+        ["--input", kind, "--data-dir", data_dir, "--epochs", str(EPOCHS)]
+        + ["--fault-at", faults]
+        + save,
+        max_restarts=len(fault_steps),
+    )
+    context = f"kind={kind} faults={faults}\n" + log[-4000:]
+    assert result.exit_code == 0, context
+    assert len(result.attempts) == len(fault_steps) + 1, context
+    for attempt in result.attempts[:-1]:
+        assert attempt.failed == (1,), context
+        assert attempt.exit_codes[1] == -signal.SIGKILL, context
+    committed, restored = _committed_attempts(out)
+    assert len(restored) == len(fault_steps) + 1, context
+    for attempt, fault in enumerate(fault_steps):
+        # Resumed from a checkpoint at or before the kill, never earlier
+        # than the previous resume.
+        assert restored[attempt] <= restored[attempt + 1] <= fault, context
+    print(f"{kind}: killed at {fault_steps}, resumed after {restored[1:]}")
+    _assert_exactly_once(committed, epochs=EPOCHS)
+    return out, ckpt, committed, restored
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        kind if kind == "shard" else pytest.param(kind, marks=ONE_FLAVOUR)
+        for kind in sorted(KILLS)
+    ],
+)
+def test_killed_at_several_steps_with_shuffling_resumes_exactly(tmp_path, kind):
+    data_dir = str(tmp_path / "data")
+    elastic_inputs.write_files(kind, data_dir)
+    faults, save = KILLS[kind]
+    out, ckpt, committed, _ = _run_killed(tmp_path, kind, faults, save)
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = _load(
+        os.path.join(out, f"attempt{len(faults.split(','))}-worker0-final.npz")
+    )
+    weights, steps = _one_device_run(
+        initial, _reference_data(kind, data_dir, ckpt), EPOCHS
+    )
+    # Each step trained the global batch of the uninterrupted order (the
+    # epochs really are reshuffled), and the weights are its weights.
+    _assert_same_batches(committed, steps)
+    first_epoch = [steps[s] for s in range(1, STEPS_PER_EPOCH + 1)]
+    second_epoch = [
+        steps[s] for s in range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+    ]
+    assert first_epoch != second_epoch
+    assert sum(first_epoch, []) != list(range(ROWS))
+    helpers.assert_weights_close(final, weights)
+    if "--rebalance" in save:
+        # The shares moved (and every checkpoint since holds them).
+        shares = checkpointing.newest_valid(ckpt)[1]["shares"]
+        assert shares[0] < 0.4, shares
+
+
+def test_killed_with_random_augmentation_draws_the_same_numbers(tmp_path):
+    # GaussianNoise and Dropout on the features. Under tf-keras the script
+    # calls `enable_tf_random_generator()` (docs/checkpoints.md): without
+    # it tf-keras draws with TF1 stateful ops that no checkpoint can hold.
+    save = SYNC
+    faults = "3,15"
+    out, _, killed, _ = _run_killed(tmp_path, "augment", faults, save)
+    # The reference draws the same random streams: the same job, not killed.
+    plain_out = str(tmp_path / "plain")
+    result, log = _launch(
+        plain_out,
+        str(tmp_path / "plain-ckpt"),
+        2,
+        ["--input", "augment", "--epochs", str(EPOCHS)] + save,
+        max_restarts=0,
+    )
+    assert result.exit_code == 0, log[-4000:]
+    _assert_same_batches(killed, _records(plain_out, 0))
+    final = _load(os.path.join(out, "attempt2-worker0-final.npz"))
+    plain = _load(os.path.join(plain_out, "attempt0-worker0-final.npz"))
+    helpers.assert_weights_close(final, plain)
+    # The noise matters: without it (one device, same batches) the weights
+    # are others.
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    weights, steps = _one_device_run(
+        initial, _reference_data("augment", None, None), EPOCHS
+    )
+    _assert_same_batches(killed, steps)
+    assert not np.allclose(final[0], weights[0], rtol=1e-3)
+
+
+def _ids_in_order(steps, first, last):
+    return sum((steps[step] for step in range(first, last + 1)), [])
+
+
+def _fit_in_order(model, order, batch):
+    """One epoch on the examples in `order`, in global batches of `batch`."""
+    x, y, _, ids = helpers.arrays(ROWS)
+    examples = tf.data.Dataset.from_tensor_slices(
+        ({"x": x[order], "id": ids[order]}, y[order])
+    )
+    strategy = model.distribute_strategy
+    model.fit(kh.data.shard(examples, batch, strategy=strategy), verbose=0)
+
+
+@pytest.mark.parametrize(
+    "after, kind, batch",
+    [
+        (3, "shard", BATCH),
+        pytest.param(1, "arrays", BATCH, marks=ONE_FLAVOUR),
+        pytest.param(3, "shard", 12, marks=ONE_FLAVOUR),
+    ],
+    ids=["2to3-shuffled", "2to1-arrays", "2to3-batch12-scale_learning_rate"],
+)
+def test_resume_with_a_different_worker_count(tmp_path, after, kind, batch):
+    # Shuffled input, 2 epochs: 7 steps on 2 workers, the rest of the epoch
+    # and a whole reshuffled one on `after` workers (with global batch 12:
+    # the learning rate scaled by 12 / 8).
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    base = ["--input", kind, "--epochs", "2"]
+    first, log = _launch(out, ckpt, 2, base + ["--stop-after", "7"], 0)
+    assert first.exit_code == 0, log[-4000:]
+    assert checkpointing.read_latest(ckpt) == "ckpt-0000000007"
+    more = ["--attempt", "1", "--batch", str(batch)]
+    if batch != BATCH:
+        more += ["--resize", "scale_learning_rate"]
+    second, log = _launch(out, ckpt, after, base + more, 0)
+    assert second.exit_code == 0, log[-4000:]
+    assert "resuming a 2-replica checkpoint (2 worker(s))" in log
+    steps, restored = _committed_attempts(out)
+    assert restored == [0, 7]
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = _load(os.path.join(out, "attempt1-worker0-final.npz"))
+    weights, expected = _one_device_run(
+        initial, _reference_data(kind, None, ckpt), 2
+    )
+    if batch == BATCH:
+        _assert_same_batches(steps, expected)
+        _assert_exactly_once(steps, epochs=2)
+        helpers.assert_weights_close(final, weights)
+        return
+    assert "learning rate 0.05 -> 0.075" in log
+    # The order of both passes is the one-device run's; the resumed epoch
+    # continues at its 57th example in batches of 12 (steps 8, 9), the
+    # next one has 7 batches of up to 12 (steps 10-16).
+    passes = [
+        _ids_in_order(expected, 1, STEPS_PER_EPOCH),
+        _ids_in_order(expected, STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH),
+    ]
+    assert sorted(steps) == list(range(1, 17))
+    for step, start in [(s, (s - 1) * BATCH) for s in range(1, 8)]:
+        assert sorted(steps[step]) == sorted(passes[0][start : start + 8])
+    for step, start in ((8, 56), (9, 68)):
+        assert sorted(steps[step]) == sorted(passes[0][start : start + 12])
+    for step in range(10, 17):
+        start = (step - 10) * 12
+        assert sorted(steps[step]) == sorted(passes[1][start : start + 12])
+    strategy = helpers.mirrored(DEVICES[:1])
+    with strategy.scope():
+        model = helpers.id_model([], 0.0)
+    model.set_weights(initial)
+    _fit_in_order(model, passes[0][:56], BATCH)
+    model.optimizer.learning_rate = 0.05 * 12 / BATCH
+    _fit_in_order(model, passes[0][56:], 12)
+    _fit_in_order(model, passes[1], 12)
+    helpers.assert_weights_close(final, model.get_weights())
+
+
+def test_sigterm_saves_stops_and_resume_continues_next_step(tmp_path):
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    base = [sys.executable, SCRIPT, "--out", out, "--ckpt", ckpt]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    first = subprocess.run(
+        base
+        + ["--fault", "TERM", "--fault-worker", "0", "--fault-at", "5"]
+        + ["--save-every", "100"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        first.returncode == kh.callbacks.ElasticCheckpoint.PREEMPTED_EXIT_CODE
+    ), first.stderr[-3000:]
+    assert "got SIGTERM" in first.stderr
+    # The signal came after step 5's checkpoint hook: step 6 is saved.
+    assert checkpointing.read_latest(ckpt) == "ckpt-0000000006"
+    second = subprocess.run(
+        base + ["--attempt", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert min(_records(out, 1)) == 7
+    _assert_exactly_once(_committed(out, 6))
+
+
+def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
+    log = io.StringIO()
+    result = launcher.launch(
+        [sys.executable, str(script)], 2, max_restarts=1, output=log
+    )
+    assert result.exit_code == 3
+    assert len(result.attempts) == 2
+    assert "[worker 0] about to fail" in log.getvalue()
+
+
+def test_launcher_shrinks_to_survivors_down_to_min_workers(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "n = int(os.environ['KERAS_HETERO_NUM_WORKERS'])\n"
+        "sys.exit(5 if n > 2 and task == n - 1 else 0)\n"
+    )
+    log = io.StringIO()
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        4,
+        max_restarts=3,
+        min_workers=2,
+        output=log,
+    )
+    assert result.exit_code == 0
+    assert [a.workers for a in result.attempts] == [4, 3, 2]
+
+
+class _Hosts:
+    """A `hosts=` for the launcher on this machine that records which hosts
+    each attempt used."""
+
+    def __init__(self):
+        self.used = []
+
+    def addresses(self, count, restart):
+        return self.addresses_of(range(count), restart)
+
+    def addresses_of(self, hosts, restart):
+        self.used.append(list(hosts))
+        return [f"127.0.0.1:{20000 + 10 * restart + h}" for h in hosts]
+
+    def command(self, host, command):
+        return [*command, str(host)]
+
+
+def test_min_workers_leaves_out_the_worker_the_hang_reports_name(tmp_path):
+    # Attempt 0: the workers on hosts 0 and 2 report worker 1 missing (as
+    # after a cut link) and exit 75; worker 1 names them both and exits 75
+    # too. The restart leaves worker 1's host out, not the last host.
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "n = int(os.environ['KERAS_HETERO_NUM_WORKERS'])\n"
+        "print('host', sys.argv[1], flush=True)\n"
+        "if n == 3:\n"
+        "    missing = [0, 2] if task == 1 else [1]\n"
+        "    with open(os.environ['KERAS_HETERO_HANG_REPORT'], 'w') as f:\n"
+        "        json.dump({'step': 7, 'missing': missing}, f)\n"
+        "    time.sleep(0.2)\n"
+        "    sys.exit(75)\n"
+    )
+    hosts, log = _Hosts(), io.StringIO()
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        3,
+        max_restarts=2,
+        min_workers=2,
+        hosts=hosts,
+        output=log,
+    )
+    assert result.exit_code == 0, log.getvalue()
+    assert hosts.used == [[0, 1, 2], [0, 2]]
+    first, second = result.attempts
+    assert first.lost == (1,) and first.hosts == (0, 1, 2)
+    assert second.workers == 2 and second.hosts == (0, 2)
+    assert "name worker(s) [1] missing; continuing on hosts [0, 2]" in (
+        log.getvalue()
+    )
+    assert "[worker 1] host 2" in log.getvalue()
+    # Without min_workers every host is used again.
+    hosts = _Hosts()
+    script.write_text(
+        "import json, os, sys\n"
+        "restart = int(os.environ['KERAS_HETERO_RESTART'])\n"
+        "with open(os.environ['KERAS_HETERO_HANG_REPORT'], 'w') as f:\n"
+        "    json.dump({'worker': 0, 'step': 1, 'missing': [1]}, f)\n"
+        "sys.exit(75 if restart == 0 else 0)\n"
+    )
+    result = launcher.launch(
+        [sys.executable, str(script)],
+        3,
+        max_restarts=1,
+        hosts=hosts,
+        output=io.StringIO(),
+    )
+    assert result.exit_code == 0
+    assert hosts.used == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_lost_workers_needs_a_majority_of_the_others():
+    assert launcher.lost_workers({0: [2], 1: [2], 2: [0, 1]}) == [2]
+    # Two workers naming each other: nothing tells the sides apart.
+    assert launcher.lost_workers({0: [1], 1: [0]}) == []
+    assert launcher.lost_workers({0: [1]}) == [1]
+    assert launcher.lost_workers({}) == []
+    # One reporter of three naming another: not a majority of the others.
+    assert launcher.lost_workers({0: [1], 1: [], 2: []}) == []
+    # The cut-off worker names all the others; one survivor did not report
+    # (its collective failed first): the isolated reporter has no vote.
+    assert launcher.lost_workers({2: [1], 1: [0, 2]}, workers=3) == [1]
+    assert launcher.lost_workers({2: [1], 1: [0, 2]}) == []  # as if of 2
+
+
+def test_command_line_entry_point(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import json, os\n"
+        "c = json.loads(os.environ['TF_CONFIG'])\n"
+        "print('task', c['task']['index'], 'of', len(c['cluster']['worker']),"
+        " c['cluster']['worker'][0].split(':')[0])\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keras_hetero.run",
+            "--workers",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[worker 1] task 1 of 2 127.0.0.1" in done.stdout
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keras_hetero.run",
+            "--workers",
+            "0",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "workers=0" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"workers": 0}, "workers=0"),
+        ({"workers": 2, "min_workers": 3}, "min_workers=3"),
+        ({"workers": 2, "max_restarts": -1}, "max_restarts=-1"),
+    ],
+)
+def test_launcher_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        launcher.launch([sys.executable, "-c", "pass"], **kwargs)
+
+
+def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    launcher_process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "keras_hetero.run",
+            "--workers",
+            "2",
+            "--grace-seconds",
+            "5",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids = []
+    for line in launcher_process.stdout:
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+        if len(pids) == 2:
+            break
+    launcher_process.send_signal(signal.SIGINT)
+    rest = launcher_process.communicate(timeout=60)[0]
+    assert launcher_process.returncode == 130, rest
+    assert "got SIGINT; stopping workers" in rest
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_low_communication_killed_mid_round_resumes_exactly(tmp_path):
+    # Rounds of 3 steps (and the epoch's end, after 10): kills mid-round
+    # (step 5), right after a synchronisation (step 13) and at an epoch's
+    # end (step 20). Inner SGD with momentum: each worker's optimizer
+    # state is its own, and is restored per worker.
+    kind, faults = "shard", "5,13,20"
+    data_dir = str(tmp_path / "data")
+    elastic_inputs.write_files(kind, data_dir)
+    low = ["--sync-every", "3", "--save-every", "1", "--sync-save"]
+    out, _, committed, restored = _run_killed(tmp_path, kind, faults, low)
+    # Resumes start at round boundaries.
+    boundaries = {0, 3, 6, 9, 10, 13, 16, 19, 20, 23, 26, 29, 30}
+    assert set(restored[1:]) <= boundaries, restored
+    plain_out, plain_ckpt = str(tmp_path / "plain"), str(tmp_path / "plain-c")
+    result, log = _launch(
+        plain_out,
+        plain_ckpt,
+        2,
+        ["--input", kind, "--data-dir", data_dir, "--epochs", str(EPOCHS)]
+        + low,
+        max_restarts=0,
+    )
+    assert result.exit_code == 0, log[-4000:]
+    _assert_same_batches(committed, _records(plain_out, 0))
+    final = _load(
+        os.path.join(out, f"attempt{len(faults.split(','))}-worker0-final.npz")
+    )
+    uninterrupted = _load(os.path.join(plain_out, "attempt0-worker0-final.npz"))
+    helpers.assert_weights_close(final, uninterrupted)

@@ -1,0 +1,249 @@
+"""The readings check themselves: ClockCheck, and the rebalancer and the
+straggler detector holding still when a replica's clock is blind."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_hetero as kh
+from keras_hetero.training import telemetry
+from keras_hetero.training.clock_check import ClockCheck
+from tests.conftest import DEVICES
+from tests.support import helpers
+
+GPUS = ["/gpu:0", "/gpu:1"]
+
+
+def _feed(check, readings):
+    found = []
+    for rows, seconds in readings:
+        found += check.add(rows, seconds)
+    return found
+
+
+def test_a_constant_clock_is_found_by_the_floor():
+    check = ClockCheck(GPUS, patience=3)
+    found = _feed(check, [([8, 8], [0.01, 0.0])] * 3)
+    assert [(f.replica, f.device, f.sign) for f in found] == [
+        (1, "/gpu:1", "floor")
+    ]
+    assert "/gpu:1" in found[0].message("Held.")
+    assert check.usable().tolist() == [True, False]
+    np.testing.assert_equal(check.masked([0.01, 0.0]), [0.01, np.nan])
+    # Reported once.
+    assert _feed(check, [([8, 8], [0.01, 0.0])] * 5) == []
+
+
+def test_seconds_that_ignore_the_rows_are_found_when_shares_move():
+    """What a clock reading kernel ENQUEUE time shows: the same seconds
+    whatever the rows; replica 0's seconds follow its rows."""
+    check = ClockCheck(GPUS)
+    before = [([16, 16], [0.016, 0.002])] * 5
+    after = [([4, 28], [0.004, 0.002])] * 5
+    found = _feed(check, before + after)
+    assert [(f.replica, f.sign) for f in found] == [(1, "rows")]
+    assert "from 16 to 28" in found[0].detail, found[0].detail
+    # Smaller moves of the rows are not tested (noise would decide).
+    check = ClockCheck(GPUS)
+    assert _feed(check, before + [([12, 20], [0.012, 0.002])] * 5) == []
+
+
+def test_no_finding_when_a_slowdown_moves_the_shares():
+    """A device slows 5x, then the rebalancer takes most of its rows: its
+    seconds move (against the rows), so its clock is seen to work."""
+    check = ClockCheck(GPUS)
+    fast = [([16, 16], [0.016, 0.016])] * 8
+    slow = [([16, 16], [0.016, 0.080])] * 6
+    moved = [([27, 5], [0.027, 0.025])] * 6
+    assert _feed(check, fast + slow + moved) == []
+
+
+def test_no_finding_for_real_readings_with_jitter_and_fixed_cost():
+    rng = np.random.default_rng(0)
+    check = ClockCheck(GPUS + ["/cpu:0"])
+    found = []
+    for step in range(2000):
+        rows = np.array([16, 16, 16]) if step < 1000 else np.array([8, 12, 28])
+        # A fixed cost per step, a cost per row, 10% jitter, a rare stall.
+        seconds = (0.001 + rows * np.array([2e-4, 1e-4, 5e-5])) * (
+            1 + 0.1 * rng.standard_normal(3)
+        )
+        if step % 97 == 0:
+            seconds[step % 3] *= 5
+        found += check.add(rows, seconds)
+    assert found == []
+    assert check.usable().all()
+
+
+def test_readings_that_jump_every_step_are_reported_once_and_stay_usable():
+    rng = np.random.default_rng(1)
+    check = ClockCheck(GPUS, window=10)
+    # Readings unrelated to the work: anything from 1e-5 to 1 s.
+    noisy = [([8, 8], [0.01, s]) for s in 10 ** rng.uniform(-5, 0, 30)]
+    found = _feed(check, noisy)
+    assert [(f.replica, f.sign, f.blind) for f in found] == [
+        (1, "noise", False)
+    ]
+    assert check.usable().all()
+
+
+def test_noise_is_the_median_of_steps_at_equal_rows_whatever_changes():
+    """Replicas' rows change now and then (steps across a change do not
+    count; too little to test the rows sign) and some readings are
+    missing: each replica is noise exactly when the median factor of its
+    counted steps exceeds `max_jitter`."""
+    rng = np.random.default_rng(4)
+    replicas, window = 300, 20
+    check = ClockCheck([f"/gpu:{i}" for i in range(replicas)], window=window)
+    # Per replica a typical factor between readings, 1.5x to 30x.
+    spread = np.log(10 ** rng.uniform(0.2, 1.5, replicas))
+    rows = np.full((window, replicas), 16.0)
+    seconds = np.empty((window, replicas))
+    for reading in range(window):
+        if reading:
+            rows[reading] = np.where(
+                rng.random(replicas) < 0.15, 20.0, rows[reading - 1]
+            )
+        seconds[reading] = (
+            rows[reading]
+            * 1e-3
+            * np.exp(spread * rng.choice([-0.5, 0.5], replicas))
+        )
+    seconds[rng.random(seconds.shape) < 0.05] = np.nan
+    found = []
+    for reading in range(window):
+        found += check.add(rows[reading], seconds[reading])
+    expected = []
+    for replica in range(replicas):
+        cost = seconds[:, replica] / rows[:, replica]
+        steps = [
+            abs(np.log(cost[i + 1] / cost[i]))
+            for i in range(window - 1)
+            if rows[i + 1, replica] == rows[i, replica]
+            and cost[i] > 0
+            and cost[i + 1] > 0
+        ]
+        if len(steps) >= window // 2:
+            ordered = sorted(steps)
+            if np.exp(ordered[(len(steps) - 1) // 2]) > 8.0:
+                expected.append(replica)
+    assert 30 < len(expected) < 270  # both kinds, many of each
+    assert sorted(f.replica for f in found) == expected
+    assert {f.sign for f in found} == {"noise"}
+
+
+def test_a_throttled_host_is_not_noise():
+    """Under a CFS quota a replica's step is sometimes held to the next
+    period: bimodal seconds, all of them real (measured: 2.5e-5 to 4e-5
+    and 1e-4 to 1.8e-4 s per row), in any mix."""
+    rng = np.random.default_rng(2)
+    check = ClockCheck(GPUS)
+    slow = rng.random(200) < np.linspace(0.1, 0.9, 200)
+    seconds = np.where(slow, 1.5e-4, 3e-5) * rng.uniform(0.9, 1.2, 200) * 64
+    assert _feed(check, [([64, 64], [0.002, s]) for s in seconds]) == []
+
+
+def test_steps_and_unmeasured_readings():
+    check = ClockCheck(GPUS, patience=2)
+    # Two steps per call: per-step seconds 5e-6, below the floor.
+    assert check.add([16, 16], [0.02, 1e-5], steps=2) == []
+    found = check.add([16, 16], [0.02, 1e-5], steps=2)
+    assert [f.replica for f in found] == [1]
+    # NaN (an XLA step: not measured) and no rows never count.
+    check = ClockCheck(GPUS, patience=1)
+    assert check.add([8, 0], [np.nan, 0.0]) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"window": 3}, "window=3"),
+        ({"patience": 0}, "patience=0"),
+        ({"floor_seconds": -1}, "floor_seconds=-1"),
+        ({"max_jitter": "x"}, "max_jitter='x'"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ClockCheck(GPUS, **kwargs)
+
+
+def _blind_clock_on(device, monkeypatch):
+    """The in-step clock of the replica on `device` reads a constant."""
+    original = telemetry.clock
+
+    def clock(dependencies, enabled=True):
+        first = telemetry._tensors(dependencies)[0]
+        replica = tf.DeviceSpec.from_string(first.device)
+        blind = tf.DeviceSpec.from_string(device)
+        if (replica.device_type, replica.device_index) == (
+            blind.device_type,
+            blind.device_index,
+        ):
+            return tf.constant(1.0, tf.float64)
+        return original(dependencies, enabled)
+
+    monkeypatch.setattr(telemetry, "clock", clock)
+
+
+def test_rebalancer_holds_a_blind_replica_and_balances_the_others(
+    monkeypatch, caplog
+):
+    _blind_clock_on(DEVICES[1], monkeypatch)
+    strategy = helpers.mirrored(DEVICES[:3])
+    # SIMULATED speeds 1 : (blind) : 4.
+    model = helpers.slow_model(strategy, [0.004, 0.001, 0.001])
+    data = kh.data.shard(helpers.examples(rows=30 * 30), 30, strategy=strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=4, window=4)
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        model.fit(data, epochs=1, verbose=0, callbacks=[rebalancer])
+    assert model.step_stats.compute_seconds[1] == 0.0
+    assert rebalancer.changes
+    assert data.shares[1] == pytest.approx(1 / 3)
+    np.testing.assert_allclose(data.shares, [2 / 15, 1 / 3, 8 / 15], atol=0.05)
+    warnings = [r.getMessage() for r in caplog.records]
+    named = [w for w in warnings if DEVICES[1] in w and "ShardRebalancer" in w]
+    assert len(named) == 1, warnings
+    assert [f.replica for f in rebalancer.clock_findings] == [1]
+
+
+def test_detector_raises_no_false_alarm_from_a_blind_replica(
+    monkeypatch, caplog
+):
+    _blind_clock_on(DEVICES[0], monkeypatch)
+    strategy = helpers.mirrored(DEVICES[:3])
+    model = helpers.slow_model(strategy, 0.001)
+    data = kh.data.shard(helpers.examples(rows=30 * 30), 30, strategy=strategy)
+    detector = kh.callbacks.StragglerDetector(patience=2, window=3)
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        model.fit(data, epochs=1, verbose=0, callbacks=[detector])
+    # Without the check, replica 0 reading 0 s made the others infinitely
+    # slower than the best: both flagged.
+    assert detector.events == []
+    assert [(f.replica, f.sign) for f in detector.clock_findings] == [
+        (0, "floor")
+    ]
+    named = [
+        r.getMessage() for r in caplog.records if DEVICES[0] in r.getMessage()
+    ]
+    assert len(named) == 1
+
+
+def test_at_1024_replicas_the_blind_half_is_found_and_no_other():
+    """The vectorised check names exactly the replicas whose seconds stay
+    flat when the shares move (half of 1,024), and no healthy one."""
+    replicas = 1024
+    check = ClockCheck([f"/gpu:{i}" for i in range(replicas)])
+    blind = np.arange(replicas) < 512
+    found = []
+    for step in range(40):
+        rows = np.full(replicas, 16.0)
+        if step >= 20:
+            rows = np.where(np.arange(replicas) % 2, 8.0, 24.0)
+        seconds = np.where(blind, 0.002, 0.001 + rows * 1e-4)
+        found += check.add(rows, seconds)
+    assert sorted(f.replica for f in found) == list(range(512))
+    assert {f.sign for f in found} == {"rows"}
+    np.testing.assert_array_equal(check.usable(), ~blind)
