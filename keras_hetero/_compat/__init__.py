@@ -1,5 +1,5 @@
 """The one place that knows Keras 3 from tf-keras (Keras 2), and every use
-of a private TensorFlow / Keras internal (tests/test_structure.py checks
+of a private TensorFlow / Keras internal (tests/project/test_structure.py checks
 that no module outside `_compat/` has one).
 
 The flavour is chosen once, at import (`flavour.py`), the way TensorFlow

@@ -73,7 +73,7 @@ TF_RELEASE = release(tf.__version__)
 KERAS_RELEASE = release(KERAS_VERSION)
 
 # Keras 3 internals that changed within the tested range (docs/versions.md),
-# keyed by the release that changed them. tests/test_compat_versions.py
+# keyed by the release that changed them. tests/compat/test_versions.py
 # checks each key against the installed Keras. tf-keras 2.19-2.21 and
 # TF 2.19-2.21 need none.
 

@@ -1,6 +1,7 @@
 """keras-hetero under Ray Train on a local Ray cluster (127.0.0.1).
 
-One Ray session per module, 2 CPUs; the job is `tests/ray_workers.py`: 80
+One Ray session per module, 2 CPUs; the job is
+`tests/support/ray_workers.py`: 80
 examples, global batch 8 (10 steps per epoch), replica 1 simulated 8x
 slower, ShardRebalancer + StragglerDetector + ElasticCheckpoint. It runs
 as Ray's `TensorflowTrainer` (MultiWorkerMirrored from Ray's TF_CONFIG) and,

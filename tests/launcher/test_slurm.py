@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "slurm" / "train.sbatch"
 START = ROOT / ".ci" / "slurm" / "start.sh"
 STOP = ROOT / ".ci" / "slurm" / "stop.sh"
@@ -74,7 +74,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.serial,
     # The scheduler lies below Keras: the resume itself is covered under
-    # both flavours by tests/test_elastic_processes.py.
+    # both flavours by tests/checkpointing/test_elastic_processes.py.
     pytest.mark.one_flavour,
     pytest.mark.skipif(
         not sys.platform.startswith("linux") or os.geteuid() != 0,

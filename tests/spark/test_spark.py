@@ -3,7 +3,7 @@
 One SparkSession per module (`local[2,1]`: 2 task slots; a failed task
 fails its barrier stage at once). Each task starts a worker process that
 trains the suite's small HeteroModel under MultiWorkerMirroredStrategy on
-Parquet files Spark wrote (`tests/spark_tasks.py`), read with
+Parquet files Spark wrote (`tests/support/spark_workers.py`), read with
 `kh.data.from_arrow`.
 """
 
@@ -18,14 +18,16 @@ import numpy as np
 import pytest
 
 import keras_hetero as kh
-from tests import spark_tasks
 from tests.support import helpers
+from tests.support import spark_workers
 
 pyspark = pytest.importorskip("pyspark")
 
 import keras_hetero.spark  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 
 def _has_java():
@@ -63,8 +65,9 @@ def _session():
         .config("spark.ui.enabled", "false")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
-        # The workers import `tests.spark_tasks` (and keras_hetero) from the
-        # checkout, as a cluster's executors would from their Python path.
+        # The workers import `tests.support.spark_workers` (and keras_hetero)
+        # from the checkout, as a cluster's executors would from their
+        # Python path.
         .config("spark.executorEnv.PYTHONPATH", ROOT)
         .getOrCreate()
     )
@@ -104,7 +107,7 @@ def parquet(spark, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    model, history = helpers.reference_fit(epochs=spark_tasks.EPOCHS)
+    model, history = helpers.reference_fit(epochs=spark_workers.EPOCHS)
     return model.get_weights(), history
 
 
@@ -118,7 +121,7 @@ def _assert_single_device(result, reference):
 
 @pytest.mark.slow
 def test_two_barrier_tasks_train_as_one_device(spark, parquet, reference):
-    result = kh.spark.run(spark_tasks.train, 2, args=(parquet,), spark=spark)
+    result = kh.spark.run(spark_workers.train, 2, args=(parquet,), spark=spark)
     assert result.attempts == 1
     # The job group that labelled its jobs is gone.
     assert spark.sparkContext.getLocalProperty("spark.jobGroup.id") is None
@@ -137,7 +140,7 @@ def test_killed_task_restarts_the_stage_which_resumes_exactly(
     # 5 steps per epoch; checkpoints every 2 steps and at epoch ends. Worker
     # 1 kills its Spark task after step 7, in the second epoch.
     result = kh.spark.run(
-        spark_tasks.train,
+        spark_workers.train,
         2,
         kwargs={
             "data_path": parquet,
@@ -171,22 +174,22 @@ def _fails():
 @pytest.mark.slow
 def test_bad_arguments_are_refused_before_any_task(spark):
     with pytest.raises(ValueError, match=r"2 task slot\(s\)"):
-        kh.spark.run(spark_tasks.train, 3, spark=spark)
+        kh.spark.run(spark_workers.train, 3, spark=spark)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="num_workers"):
-            kh.spark.run(spark_tasks.train, bad, spark=spark)
+            kh.spark.run(spark_workers.train, bad, spark=spark)
     with pytest.raises(ValueError, match="max_restarts"):
-        kh.spark.run(spark_tasks.train, 2, spark=spark, max_restarts=-1)
+        kh.spark.run(spark_workers.train, 2, spark=spark, max_restarts=-1)
     with pytest.raises(TypeError, match="train_fn"):
         kh.spark.run("train", 2, spark=spark)
     with pytest.raises(TypeError, match="args"):
-        kh.spark.run(spark_tasks.train, 2, args="data/", spark=spark)
+        kh.spark.run(spark_workers.train, 2, args="data/", spark=spark)
     with pytest.raises(TypeError, match="env"):
-        kh.spark.run(spark_tasks.train, 2, env={"A": 1}, spark=spark)
+        kh.spark.run(spark_workers.train, 2, env={"A": 1}, spark=spark)
     with pytest.raises(TypeError, match="spark"):
-        kh.spark.run(spark_tasks.train, 2, spark="local[2]")
+        kh.spark.run(spark_workers.train, 2, spark="local[2]")
     with pytest.raises(TypeError, match="picklable"):
-        kh.spark.run(spark_tasks.train, 2, args=(threading.Lock(),))
+        kh.spark.run(spark_workers.train, 2, args=(threading.Lock(),))
 
 
 def test_import_without_pyspark_names_the_extra():

@@ -1,4 +1,5 @@
-"""The training function `tests/test_spark.py` runs through `kh.spark.run`.
+"""The training function that `tests/spark/test_spark.py` runs through
+`kh.spark.run`.
 
 Runs in the worker process each Spark barrier task starts (the checkout is
 on the executors' `PYTHONPATH`): the suite's small HeteroModel
