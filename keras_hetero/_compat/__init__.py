@@ -131,7 +131,6 @@ from keras_hetero._compat.saving import (
 from keras_hetero._compat.saving import (
     unsaved_random_layers as unsaved_random_layers,
 )
-from keras_hetero._compat.training import PACKS_METRICS as PACKS_METRICS
 from keras_hetero._compat.training import (
     Keras3TrainerOverrides as Keras3TrainerOverrides,
 )

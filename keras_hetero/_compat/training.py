@@ -471,17 +471,42 @@ def has_learning_rate_schedule(optimizer):
     )
 
 
-# Keras 3 metrics compute their results from given values (`StatelessScope`),
-# so their replicas' sums can travel in a collective the step already makes.
-# tf-keras metrics read their variables directly.
-PACKS_METRICS = not IS_LEGACY
+# Metrics: the metric variables' replica sums travel in a collective the step already
+# makes (the gradients'), and the results are computed from the sums. Keras 3
+# metrics compute their results from given values (`StatelessScope`); tf-keras
+# metrics read their variables, which hold the sums while the results are
+# computed (`metrics_result_from`). Without this, tf-keras reads every result
+# in a `merge_call` that all-reduces each metric variable on its own: two
+# more collectives per step for the loss alone, each a round trip between
+# workers (benchmarks/multi_worker_step.py).
+# tf.VariableAggregation (tf-keras) or its name (Keras 3) -> the name.
+_AGGREGATIONS = {
+    tf.VariableAggregation.SUM: "sum",
+    tf.VariableAggregation.MEAN: "mean",
+    tf.VariableAggregation.ONLY_FIRST_REPLICA: "only_first_replica",
+    "sum": "sum",
+    "mean": "mean",
+    "only_first_replica": "only_first_replica",
+}
+
+
+def _metric_variables(model):
+    if not IS_LEGACY:
+        return model.metrics_variables
+    seen, variables = set(), []
+    for metric in model.metrics:
+        for variable in metric.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
 
 
 def local_metric_values(model):
     """This replica's values of the metric variables that combine replicas.
 
-    Keras 3 only (`PACKS_METRICS`). A SUM of them across replicas, given to
-    `metrics_result_from`, gives what a cross-replica read would.
+    A SUM of them across replicas, given to `metrics_result_from`, gives
+    what a cross-replica read would.
 
     Returns:
         `(variables, values)`: lists of the same length.
@@ -489,13 +514,15 @@ def local_metric_values(model):
     context = tf.distribute.get_replica_context()
     first = context.replica_id_in_sync_group == 0
     variables, values = [], []
-    for variable in model.metrics_variables:
-        if variable.aggregation not in ("sum", "mean", "only_first_replica"):
+    for variable in _metric_variables(model):
+        aggregation = _AGGREGATIONS.get(variable.aggregation)
+        if aggregation is None:
             continue
         # On this replica's device: a read is colocated with its variable,
-        # which may name no device ("destinations can not be empty").
-        value = tf.identity(variable.value)
-        if variable.aggregation == "only_first_replica":
+        # which may name no device ("destinations can not be empty"). In
+        # replica context a sync-on-read variable reads this replica's.
+        value = tf.identity(variable.value if not IS_LEGACY else variable)
+        if aggregation == "only_first_replica":
             value = value * tf.cast(first, value.dtype)
         variables.append(variable)
         values.append(value)
@@ -507,11 +534,23 @@ def metrics_result_from(model, variables, sums):
     context = tf.distribute.get_replica_context()
     values = []
     for variable, value in zip(variables, sums):
-        if variable.aggregation == "mean":
+        if _AGGREGATIONS[variable.aggregation] == "mean":
             value = value / tf.cast(context.num_replicas_in_sync, value.dtype)
         values.append(value)
-    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-        return model.get_metrics_result()
+    if not IS_LEGACY:
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            return model.get_metrics_result()
+    # tf-keras: each replica's own copy holds the sums while the metrics'
+    # unwrapped results read it, then its own values again. Automatic control
+    # dependencies order the reads and writes of each variable as written.
+    own = [tf.identity(variable) for variable in variables]
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+    logs = local_metrics_result(model)
+    with tf.control_dependencies(tf.nest.flatten(logs)):
+        for variable, value in zip(variables, own):
+            variable.assign(value)
+    return logs
 
 
 def local_metrics_result(model):
@@ -546,13 +585,11 @@ def global_metrics_result(model):
     Metric variables are ON_READ: each replica holds its own sums. Read in
     cross-replica context (a `merge_call`), TensorFlow reduces each variable
     on its own, one collective per variable under multi-worker strategies
-    (`SyncOnReadVariable._get_cross_replica`). With Keras 3 all local values
-    travel in ONE batched all-reduce instead and the results are computed
-    from the sums; with tf-keras the `merge_call` stays.
+    (`SyncOnReadVariable._get_cross_replica`). Here all local values travel
+    in ONE batched all-reduce instead and the results are computed from the
+    sums (`metrics_result_from`).
     """
     context = tf.distribute.get_replica_context()
-    if not PACKS_METRICS:
-        return context.merge_call(lambda _: model.get_metrics_result())
     variables, values = local_metric_values(model)
     sums = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
     return metrics_result_from(model, variables, sums)

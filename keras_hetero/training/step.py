@@ -265,8 +265,7 @@ def packs_metrics():
     """Whether the step sums the metrics in the gradients' collective."""
     context = tf.distribute.get_replica_context()
     return (
-        _compat.PACKS_METRICS
-        and context is not None
+        context is not None
         and context.num_replicas_in_sync > 1
         and not _distribute.is_parameter_server(context.strategy)
         # A collective in replica context never returns there.
