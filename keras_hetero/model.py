@@ -21,6 +21,7 @@ from keras_hetero.training import options
 from keras_hetero.training import runtime
 from keras_hetero.training import state
 from keras_hetero.training import step
+from keras_hetero.training import stopping
 from keras_hetero.training import telemetry
 
 
@@ -236,6 +237,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
                 strategy,
                 _distribute.global_replica_devices(strategy),
                 waits=self.hetero_settings.low_communication is not None,
+                carries_stop=stopping.carries_requests(
+                    strategy, self.hetero_settings
+                ),
             )
         if self.built:  # else its first trace builds the model and sums
             runtime.accumulator(self)

@@ -22,6 +22,7 @@ from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.data.shard import mechanism_before_record
 from keras_hetero.training import runtime
 from keras_hetero.training import state
+from keras_hetero.training import stopping
 from keras_hetero.training.parameter_server import ParameterServerInput
 
 logger = logging.getLogger("keras_hetero")
@@ -47,7 +48,11 @@ class ElasticCheckpoint(base.HeteroCallback):
     `sqrt(2 * save_cost * mtbf)` from the measured cost, re-tuned after each
     save), at the end of `fit`, on `save_now()`, and when the process gets
     SIGTERM or SIGINT (then `fit` stops at the next step boundary and, with
-    `exit_on_signal`, the process exits with `PREEMPTED_EXIT_CODE`). With
+    `exit_on_signal`, the process exits with `PREEMPTED_EXIT_CODE`). Under
+    MultiWorkerMirroredStrategy a signal to any worker stops every worker
+    after the same step: the request travels in the next step's own
+    collective (`keras_hetero.training.stopping`), so no worker is left
+    waiting in a collective the others never join. With
     `async_save` the variables are copied on the training thread and written
     by a background thread; at most one save is in flight. Every save is
     atomic (see `kh.checkpointing`): a crash mid-write leaves the previous
@@ -468,6 +473,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         self._cost = None
         self._write_seconds = None
         self._stop_requested = False
+        self._stop_sent = False
 
     def on_train_begin(self, logs=None):
         if self._dataset is None:
@@ -498,6 +504,15 @@ class ElasticCheckpoint(base.HeteroCallback):
             # A resumed epoch whose data ran out: end it before Keras calls
             # a step that has no batch (and moves the layers' seeds).
             _compat.end_epoch_before_step()
+        if (
+            self._stop_requested
+            and not self._stop_sent
+            and stopping.agrees(self.model)
+        ):
+            # Several workers: the request goes to all of them in this
+            # call's collectives; they stop together after it.
+            stopping.request(self.model)
+            self._stop_sent = True
         if self._pending_states is not None:
             # After the companions' own on_train_begin reset them.
             states, self._pending_states = self._pending_states, None
@@ -519,13 +534,29 @@ class ElasticCheckpoint(base.HeteroCallback):
         if local is not None:
             self._low_communication_batch_end(local)
             return
-        if self._stop_requested:
+        if self._stop_due():
             self.preempted = True
             self.save_now()
             self.model.stop_training = True
             return
         if self._chief and self.save_due():
             self._save(wait=not self.async_save)
+
+    def _stop_due(self):
+        """Whether `fit` stops after the call that just ended: at once on
+        this process's own signal, or, where workers agree
+        (`stopping.agrees`), when the call carried any worker's request."""
+        if not stopping.agrees(self.model):
+            return self._stop_requested
+        if not stopping.agreed(self.model):
+            return False
+        if not self._stop_requested:
+            logger.warning(
+                "ElasticCheckpoint: another worker got a signal; saving "
+                "step %d with every worker, then stopping.",
+                self._global_step,
+            )
+        return True
 
     def _low_communication_batch_end(self, local):
         """Under low-communication training a checkpoint is taken right

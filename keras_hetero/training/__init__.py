@@ -21,4 +21,7 @@ and its Keras surface, each method a call into a module here.
   run-time state; `runtime`: creates that state when first needed and
   saves / loads the part a `.keras` file holds.
 - `low_communication`: local steps and the periodic synchronisation.
+- `stopping`: several workers stop after the same step, the request
+  carried in the step's own collective (what `ElasticCheckpoint` does on
+  a signal).
 """

@@ -10,7 +10,8 @@ The synchronous train step (`train_step`):
 3. the gradients of that local SUM (unscaled when the loss is scaled);
 4. the end reading (every gradient finished on its device); this replica's
    rows and seconds into the stats vector; the metrics updated;
-5. one cross-replica SUM of the gradients, the stats vector and (Keras 3,
+5. one cross-replica SUM of the gradients, the stats vector (with several
+   workers, also each one's stop request: `training.stopping`) and (Keras 3,
    several replicas) the metrics' sums (`aggregation.aggregate`);
 6. with `accumulation_steps=k`, addition to running sums (the update comes
    on every k-th micro-step);
@@ -88,6 +89,10 @@ def train_step(model, data):
     if settings.low_communication is not None:
         return local_step(model, grads, variables, rows, stats)
 
+    if run.telemetry is not None:
+        # Several workers: this worker's stop request rides along, so all
+        # of them stop after the same step (`training.stopping`).
+        stats = run.telemetry.with_stop_request(stats)
     packed = packs_metrics()
     metric_variables, metric_values = (
         _compat.local_metric_values(model) if packed else ((), ())

@@ -269,24 +269,41 @@ class TelemetrySource:
         """`StepStats` of the last call, or None."""
         raise NotImplementedError
 
+    def with_stop_request(self, stats):
+        """`stats` as the step sends it: with this worker's stop request
+        appended when the source carries them (inside the replica step)."""
+        return stats
+
 
 class Telemetry(TelemetrySource):
     """Holds the running totals variable and turns it into `StepStats`.
 
     The variable is `[steps, measured steps, rows_0..rows_R-1,
-    seconds_0..seconds_R-1]`, summed over all steps so far. It is ON_READ
-    with ONLY_FIRST_REPLICA: the first local replica adds the all-reduced
-    numbers to its own copy (no merge, no extra collective; the others
-    would add the same numbers, so they skip it and their copies stay
-    untouched) and a read takes that first copy.
+    seconds_0..seconds_R-1]`, summed over all steps so far (then, with
+    `waits`, the R synchronisation waits; with `carries_stop`, the stop
+    requests). It is ON_READ with ONLY_FIRST_REPLICA: the first local
+    replica adds the all-reduced numbers to its own copy (no merge, no
+    extra collective; the others would add the same numbers, so they skip
+    it and their copies stay untouched) and a read takes that first copy.
+
+    With `carries_stop` (several workers in one synchronous collective:
+    `training.stopping`) the stats vector has one more element, this
+    worker's stop request: the float32 variable `stop_request`, 0 or 1,
+    ON_READ too (each replica reads its own copy in the step; an assign
+    between calls sets every local copy). The gradients' all-reduce sums it
+    with the rest, at no extra collective, and the totals count the
+    requests every step carried.
     """
 
-    def __init__(self, strategy, devices, waits=False):
+    def __init__(self, strategy, devices, waits=False, carries_stop=False):
         self.num_replicas = strategy.num_replicas_in_sync
         self.devices = list(devices)
         # Low-communication training: R more slots, the synchronisation waits.
         self.waits = waits
-        self.size = (3 if waits else 2) * self.num_replicas + 2
+        self.carries_stop = carries_stop
+        self.size = (
+            (3 if waits else 2) * self.num_replicas + 2 + int(carries_stop)
+        )
         with strategy.scope():
             self.totals = tf.Variable(
                 tf.zeros([self.size], tf.float64),
@@ -295,6 +312,15 @@ class Telemetry(TelemetrySource):
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="keras_hetero_telemetry",
             )
+            self.stop_request = None
+            if carries_stop:
+                self.stop_request = tf.Variable(
+                    0.0,
+                    trainable=False,
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    name="keras_hetero_stop_request",
+                )
         # One copy per local replica (Mirrored, MultiWorkerMirrored): the
         # first holds all a read needs. Else (CentralStorageStrategy's one
         # copy) an update in a replica is a merge_call, which every replica
@@ -306,7 +332,8 @@ class Telemetry(TelemetrySource):
         """Adds one step and its gathered stats (inside the replica step).
 
         Args:
-            gathered_stats: `[rows_0..R-1, seconds_0..R-1]` of all replicas.
+            gathered_stats: `[rows_0..R-1, seconds_0..R-1]` of all replicas
+                (and the summed stop requests, with `carries_stop`).
             steps: Low-communication training: the steps these stats cover
                 (a float64 tensor), recorded at a synchronisation, whose
                 steps `count_step` counted. Defaults to this one step.
@@ -354,8 +381,31 @@ class Telemetry(TelemetrySource):
         or eagerly."""
         return _first_copy(self.totals).read_value()
 
+    def with_stop_request(self, stats):
+        if self.stop_request is None:
+            return stats
+        request = tf.reshape(self.stop_request.read_value(), [1])
+        return tf.concat([stats, request], axis=0)
+
+    def request_stop(self):
+        """This worker asks to stop: every step from the next call on
+        carries the request (eagerly, between train-function calls)."""
+        self.stop_request.assign(1.0)
+
+    def stop_requests(self):
+        """Replica requests to stop that the last call's steps carried,
+        summed over its steps (0 without `carries_stop`): the same number
+        on every worker, read from the same all-reduced sums."""
+        last = self._last_call()
+        if not self.carries_stop or last is None:
+            return 0
+        return int(last[1][-1])
+
     def reset(self):
-        """Starts a new series; the next `snapshot` has nothing before it."""
+        """Starts a new series; the next `snapshot` has nothing before it.
+        A stop request of the previous `fit` is withdrawn."""
+        if self.stop_request is not None:
+            self.stop_request.assign(0.0)
         self._current = self.read_totals()
         self._previous = None
         self._call_seconds = None
@@ -370,13 +420,21 @@ class Telemetry(TelemetrySource):
             self._stats = self._step_stats()
         return self._stats
 
-    def _step_stats(self):
+    def _last_call(self):
+        """`(totals, totals - totals before)` of the last call as host
+        arrays, or None before the first call."""
         if self._previous is None or self._current is None:
             return None
         # Keep the host copies: the next call's "previous" is this "current".
         self._current = current = _host(self._current)
         self._previous = previous = _host(self._previous)
-        delta = current - previous
+        return current, current - previous
+
+    def _step_stats(self):
+        last = self._last_call()
+        if last is None:
+            return None
+        current, delta = last
         replicas = self.num_replicas
         return StepStats(
             step=int(current[0]),
@@ -385,7 +443,11 @@ class Telemetry(TelemetrySource):
             compute_seconds=delta[2 + replicas : 2 + 2 * replicas],
             devices=list(self.devices),
             measured_steps=int(delta[1]),
-            wait_seconds=delta[2 + 2 * replicas :] if self.waits else None,
+            wait_seconds=(
+                delta[2 + 2 * replicas : 2 + 3 * replicas]
+                if self.waits
+                else None
+            ),
             call_seconds=self._call_seconds,
         )
 

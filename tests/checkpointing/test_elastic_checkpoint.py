@@ -499,3 +499,38 @@ def test_one_replica_shards_arrays_for_the_checkpoint(tmp_path):
     assert before + after == expected
     in_order = [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(10)]
     assert expected[:10] != in_order  # shuffled (Keras' default)
+
+
+def test_telemetry_carries_stop_requests_in_the_summed_stats():
+    # The carrier of `training.stopping` (the process test with two workers
+    # is in test_elastic_processes.py): the request rides in the stats
+    # vector, its sum arrives in the totals of the call, and a new fit
+    # withdraws it.
+    from keras_hetero.training import aggregation
+    from keras_hetero.training import telemetry
+
+    strategy = helpers.mirrored(DEVICES[:2])
+    carrier = telemetry.Telemetry(strategy, DEVICES[:2], carries_stop=True)
+
+    @tf.function
+    def call():
+        def step():
+            stats = telemetry.stats_vector(2, tf.constant(3), 0.5)
+            stats = carrier.with_stop_request(stats)
+            (summed,) = aggregation.all_reduce_sum([stats])
+            carrier.record(summed)
+
+        strategy.run(step)
+
+    def requests_after_a_call():
+        call()
+        carrier.snapshot()
+        return carrier.stop_requests()
+
+    carrier.reset()
+    assert requests_after_a_call() == 0
+    carrier.request_stop()
+    assert requests_after_a_call() == 2  # one per replica
+    assert carrier.step_stats().rows.tolist() == [3, 3]
+    carrier.reset()
+    assert requests_after_a_call() == 0

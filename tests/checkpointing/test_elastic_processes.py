@@ -450,6 +450,46 @@ def test_sigterm_saves_stops_and_resume_continues_next_step(tmp_path):
     _assert_exactly_once(_committed(out, 6))
 
 
+@pytest.mark.parametrize(
+    "signalled, steps_per_execution",
+    [(1, 1), (0, 2)],
+    ids=["worker1-alone", "chief-alone-2-steps-per-call"],
+)
+def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(
+    tmp_path, signalled, steps_per_execution
+):
+    # The signal comes after step 2's checkpoint hook: the next call carries
+    # the request in its collectives, and every worker stops after it.
+    import workers_lib
+
+    directory = str(tmp_path / "ckpt")
+    results = kh.testing.run_workers(
+        workers_lib.stop_together_mwms,
+        2,
+        timeout=120,
+        args=(directory, signalled, 2, steps_per_execution),
+    )
+    stop_step = 2 + steps_per_execution
+    for result in results:
+        stopped = result.value["stopped"]
+        assert stopped == {
+            "exit_code": kh.callbacks.ElasticCheckpoint.PREEMPTED_EXIT_CODE,
+            "preempted": True,
+            "step": stop_step,
+            "latest": f"ckpt-{stop_step:010d}",
+        }, (result.index, stopped)
+        assert result.value["resumed_from"] == os.path.join(
+            directory, f"ckpt-{stop_step:010d}"
+        )
+        assert result.value["exit_code"] == 0
+    assert "another worker got a signal" in results[1 - signalled].output
+    reference, _ = helpers.reference_fit(epochs=2)
+    for result in results:
+        helpers.assert_weights_close(
+            result.value["weights"], reference.get_weights()
+        )
+
+
 def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")

@@ -455,3 +455,60 @@ def low_communication_rebalance_mwms(rebalance):
         "shares": [float(s) for s in data.shares],
         "waits": np.mean(waits[len(waits) // 2 :], axis=0).tolist(),
     }
+
+
+def stop_together_mwms(directory, signalled, at_step, steps_per_execution):
+    """2 workers; worker `signalled` alone gets SIGTERM after step `at_step`
+    (its ElasticCheckpoint's handler, from a callback), the other never.
+    Then, in the same processes, a fresh model resumes from `directory` and
+    trains to the end."""
+    import json
+    import os
+    import signal
+
+    import helpers
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero import checkpointing
+    from keras_hetero._compat import keras
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    class Signal(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            if task == signalled and step == at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def fit(callbacks):
+        with strategy.scope():
+            model = helpers.hetero_model(
+                steps_per_execution=steps_per_execution
+            )
+        data = kh.data.shard(
+            helpers.examples(), helpers.GLOBAL_BATCH, strategy=strategy
+        )
+        ckpt = kh.callbacks.ElasticCheckpoint(directory, save_every=100)
+        try:
+            model.fit(data, epochs=2, verbose=0, callbacks=[ckpt, *callbacks])
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+        return model, ckpt, code
+
+    model, ckpt, code = fit([Signal()])
+    stopped = {
+        "exit_code": code,
+        "preempted": ckpt.preempted,
+        "step": int(model.optimizer.iterations.numpy()),
+        "latest": checkpointing.read_latest(directory),
+    }
+    model, ckpt, code = fit([])
+    return {
+        "stopped": stopped,
+        "resumed_from": ckpt.restored_from,
+        "exit_code": code,
+        "weights": model.get_weights(),
+    }
