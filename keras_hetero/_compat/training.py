@@ -471,14 +471,15 @@ def has_learning_rate_schedule(optimizer):
     )
 
 
-# Metrics: the metric variables' replica sums travel in a collective the step already
-# makes (the gradients'), and the results are computed from the sums. Keras 3
-# metrics compute their results from given values (`StatelessScope`); tf-keras
-# metrics read their variables, which hold the sums while the results are
-# computed (`metrics_result_from`). Without this, tf-keras reads every result
-# in a `merge_call` that all-reduces each metric variable on its own: two
-# more collectives per step for the loss alone, each a round trip between
-# workers (benchmarks/multi_worker_step.py).
+# Metrics: the metric variables' replica sums travel in a collective the step
+# already makes (the gradients'), and the results are computed from the sums.
+# Keras 3 metrics compute their results from given values (`StatelessScope`);
+# tf-keras metrics read their variables, which hold the sums while the
+# results are computed (`metrics_result_from`). Without this, tf-keras reads
+# every result in a `merge_call` that all-reduces each metric variable on its
+# own: two more collectives per step for the loss alone, each a round trip
+# between workers (benchmarks/multi_worker_step.py).
+
 # tf.VariableAggregation (tf-keras) or its name (Keras 3) -> the name.
 _AGGREGATIONS = {
     tf.VariableAggregation.SUM: "sum",

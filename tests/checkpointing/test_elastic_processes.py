@@ -460,11 +460,11 @@ def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(
 ):
     # The signal comes after step 2's checkpoint hook: the next call carries
     # the request in its collectives, and every worker stops after it.
-    import workers_lib
+    from tests.support import training_workers
 
     directory = str(tmp_path / "ckpt")
     results = kh.testing.run_workers(
-        workers_lib.stop_together_mwms,
+        training_workers.stop_together_mwms,
         2,
         timeout=120,
         args=(directory, signalled, 2, steps_per_execution),

@@ -466,12 +466,12 @@ def stop_together_mwms(directory, signalled, at_step, steps_per_execution):
     import os
     import signal
 
-    import helpers
     import tensorflow as tf
 
     import keras_hetero as kh
     from keras_hetero import checkpointing
     from keras_hetero._compat import keras
+    from tests.support import helpers
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()

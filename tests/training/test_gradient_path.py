@@ -7,7 +7,6 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
-from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
