@@ -490,6 +490,7 @@ def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(
         )
 
 
+@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
@@ -502,6 +503,7 @@ def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
     assert "[worker 0] about to fail" in log.getvalue()
 
 
+@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_launcher_shrinks_to_survivors_down_to_min_workers(tmp_path):
     script = tmp_path / "flaky.py"
     script.write_text(
@@ -540,6 +542,7 @@ class _Hosts:
         return [*command, str(host)]
 
 
+@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_min_workers_leaves_out_the_worker_the_hang_reports_name(tmp_path):
     # Attempt 0: the workers on hosts 0 and 2 report worker 1 missing (as
     # after a cut link) and exit 75; worker 1 names them both and exits 75
@@ -595,6 +598,7 @@ def test_min_workers_leaves_out_the_worker_the_hang_reports_name(tmp_path):
     assert hosts.used == [[0, 1, 2], [0, 1, 2]]
 
 
+@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_lost_workers_needs_a_majority_of_the_others():
     assert launcher.lost_workers({0: [2], 1: [2], 2: [0, 1]}) == [2]
     # Two workers naming each other: nothing tells the sides apart.
@@ -609,6 +613,7 @@ def test_lost_workers_needs_a_majority_of_the_others():
     assert launcher.lost_workers({2: [1], 1: [0, 2]}) == []  # as if of 2
 
 
+@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_command_line_entry_point(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(
@@ -649,6 +654,7 @@ def test_command_line_entry_point(tmp_path):
     assert "workers=0" in bad.stderr
 
 
+@ONE_FLAVOUR  # the launcher's argument checks, below Keras
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -662,6 +668,7 @@ def test_launcher_bad_arguments(kwargs, message):
         launcher.launch([sys.executable, "-c", "pass"], **kwargs)
 
 
+@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
     script = tmp_path / "forever.py"
     script.write_text(
