@@ -14,7 +14,6 @@ import io
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 # Keep the local cluster small and quiet: loopback only, no usage stats,
@@ -270,23 +269,8 @@ def _single_device(initial, epochs):
 
 
 def test_import_without_ray_names_the_extra():
-    code = (
-        "import sys\n"
-        "sys.modules['ray'] = None\n"
-        "try:\n"
-        "    import keras_hetero.ray\n"
-        "except ImportError as error:\n"
-        "    print(error)\n"
-        "    sys.exit(3)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 3, done.stderr[-2000:]
-    assert 'pip install "keras-hetero[ray]"' in done.stdout
+    message = helpers.import_error_without("ray", "keras_hetero.ray")
+    assert 'pip install "keras-hetero[ray]"' in message
 
 
 def test_elastic_checkpoint_needs_a_step_schedule():

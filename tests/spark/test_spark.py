@@ -195,23 +195,8 @@ def test_bad_arguments_are_refused_before_any_task(spark):
 
 
 def test_import_without_pyspark_names_the_extra():
-    code = (
-        "import sys\n"
-        "sys.modules['pyspark'] = None\n"
-        "try:\n"
-        "    import keras_hetero.spark\n"
-        "except ImportError as error:\n"
-        "    print(error)\n"
-        "    sys.exit(3)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 3, done.stderr[-2000:]
-    assert 'pip install "keras-hetero[spark]"' in done.stdout
+    message = helpers.import_error_without("pyspark", "keras_hetero.spark")
+    assert 'pip install "keras-hetero[spark]"' in message
 
 
 @pytest.mark.slow

@@ -255,3 +255,28 @@ def slow_model(strategy, seconds_per_row):
         model = kh.HeteroModel(inputs, keras.layers.Dense(1)(slow))
         model.compile(optimizer="sgd", loss="mse")
     return model
+
+
+def import_error_without(package, module):
+    """The ImportError message of `import module` in a fresh interpreter in
+    which `package` cannot be imported (an optional extra not installed)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        f"sys.modules[{package!r}] = None\n"
+        "try:\n"
+        f"    import {module}\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+        "    sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    return done.stdout
