@@ -250,6 +250,10 @@ class TelemetrySource:
     `step_stats`.
     """
 
+    # Whether the step's collective carries the workers' stop requests
+    # (`training.stopping`): only `Telemetry` under several workers.
+    carries_stop = False
+
     def reset(self):
         """Starts a new series (at the start of `fit`)."""
         raise NotImplementedError
