@@ -112,6 +112,17 @@ def _wait(condition, seconds, what, log):
     pytest.fail(f"timed out waiting for {what}; job log:\n{text[-4000:]}")
 
 
+def _diagnosis(state, text, environ):
+    """The job's record, its log and the Slurm daemons' last log lines."""
+    logs = pathlib.Path(environ["SLURM_CONF"]).parent / "log"
+    tails = [
+        f"--- {path.name} ---\n"
+        + "\n".join(path.read_text(errors="replace").splitlines()[-25:])
+        for path in sorted(logs.glob("slurm*.log"))
+    ]
+    return "\n".join([f"job: {state}", "--- job log ---", text[-3000:], *tails])
+
+
 @pytest.fixture
 def slurm():
     """A running Slurm, stopped and removed afterwards; its environment."""
@@ -182,7 +193,7 @@ def test_time_limit_save_requeue_resume_exactly(slurm, tmp_path):
         log,
     )
     text = log.read_text()
-    assert state["JobState"] == "COMPLETED", text[-4000:]
+    assert state["JobState"] == "COMPLETED", _diagnosis(state, text, slurm)
     assert state["Restarts"] == "1", state
     assert "time limit near: saving, then requeueing" in text
     assert "got SIGTERM" in text
