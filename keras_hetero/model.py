@@ -78,13 +78,25 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             gradient collective, a pseudo-gradient all-reduce every
             `sync_every` steps and an outer optimizer (DiLoCo-style, see
             docs/low-communication.md). Defaults to `None` (synchronous).
+        bucket_bytes: Split the gradient all-reduce into buckets of about
+            this many bytes (on the wire), issued last layers first, as
+            PyTorch's DistributedDataParallel does: a bucket's all-reduce
+            can run while the backward pass still computes the earlier
+            layers' gradients. The telemetry and metrics ride in the last
+            bucket; the update is the same. A model of at most
+            `bucket_bytes` stays one collective. Measured on CPU workers
+            (docs/benchmarks.md, "Bucketed all-reduce"). Not with
+            `low_communication` nor `communication.bytes_per_pack`.
+            Defaults to `None` (one collective per step).
         **kwargs: What `keras.Model` takes.
 
     Raises:
         ValueError: For an unknown `precision` or `gradient_compression`,
             `accumulation_steps` or `pipeline_microbatches` below 1, a
-            `global_clipnorm` that is not positive, or `low_communication`
-            with `accumulation_steps` or `gradient_compression`.
+            `global_clipnorm` that is not positive, a `bucket_bytes` that
+            is not a positive integer or comes with `low_communication` or
+            `communication.bytes_per_pack`, or `low_communication` with
+            `accumulation_steps` or `gradient_compression`.
         TypeError: If `communication` is not `CommunicationOptions`, or
             `low_communication` not a `kh.LowCommunication`.
 
@@ -113,6 +125,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         communication=None,
         global_clipnorm=None,
         low_communication=None,
+        bucket_bytes=None,
         **kwargs,
     ):
         settings = options.Settings(
@@ -123,6 +136,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             communication=communication,
             global_clipnorm=global_clipnorm,
             low_communication=low_communication,
+            bucket_bytes=bucket_bytes,
         )
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):

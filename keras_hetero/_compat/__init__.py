@@ -63,6 +63,9 @@ from keras_hetero._compat.distribute import (
     in_multi_worker_mode as in_multi_worker_mode,
 )
 from keras_hetero._compat.distribute import (
+    local_collective_strategy as local_collective_strategy,
+)
+from keras_hetero._compat.distribute import (
     parameter_server_num_workers as parameter_server_num_workers,
 )
 from keras_hetero._compat.distribute import (

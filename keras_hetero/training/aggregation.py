@@ -2,11 +2,13 @@
 
 `compress -> all-reduce (with the telemetry, one collective) -> decompress ->
 divide by global rows -> clip`. Each piece is a plain function over lists of
-tensors so it can be tested alone.
+tensors so it can be tested alone. With `bucket_bytes` the all-reduce is
+several collectives, one per bucket of gradients, last layers first
+(`buckets`); the telemetry rides in the last.
 
-For a small model (dense float32 gradients of at most `PACK_LIMIT`
-elements, no wire compression, no `bytes_per_pack`) `aggregate` packs
-gradients, telemetry and metric values into one flat vector itself and
+For a small model or bucket (dense float32 gradients of at most
+`PACK_LIMIT` elements, no wire compression, no `bytes_per_pack`) `aggregate`
+packs gradients, telemetry and metric values into one flat vector itself and
 divides the gradients' part once: fewer ops per step than a packing and a
 division per tensor (measured; the history of docs/benchmarks.md), with the same
 bits. Larger gradients go to the collective as they are (it packs them
@@ -173,12 +175,20 @@ def wire_bytes(variables, compression=None, num_replicas=1):
 
 
 def aggregate(
-    grads, stats, *, compression=None, options=None, extra=(), divisor=None
+    grads,
+    stats,
+    *,
+    compression=None,
+    options=None,
+    extra=(),
+    divisor=None,
+    bucket_bytes=None,
 ):
     """Sums row-weighted local gradients and telemetry across replicas.
 
     Args:
-        grads: Gradients of this replica's loss SUM (mean times rows).
+        grads: Gradients of this replica's loss SUM (mean times rows), in
+            the variables' order (the first layers' first).
         stats: This replica's telemetry vector (float32); its SUM across
             replicas gives every replica's rows and seconds.
         compression: `None`, `"fp16"` or `"bf16"`: the gradients' dtype on the
@@ -190,6 +200,12 @@ def aggregate(
         divisor: None, or a function of the summed stats returning what the
             summed gradients are divided by (`divide`), e.g. the global
             rows. Defaults to `None` (the sums are returned).
+        bucket_bytes: None, or the wire bytes of gradients per collective:
+            the gradients go in buckets (`buckets`), last gradient first,
+            one collective each, so a bucket's all-reduce can run while
+            the backward pass still computes the earlier layers'
+            gradients; `stats` and `extra` ride in the last one. Defaults
+            to `None` (one collective).
 
     Returns:
         `(summed_grads, summed_stats)`, gradients in their original dtypes
@@ -203,28 +219,139 @@ def aggregate(
     ([1.0, 1.0], [3.0, 0.0])
     """
     extra = list(extra)
-    if _packs_in_one(grads, stats, extra, compression, options):
-        summed_grads, summed_stats, summed_extra = _aggregate_packed(
-            grads, stats, extra, divisor
+    groups = [[p for p, g in enumerate(grads) if g is not None]]
+    if bucket_bytes is not None and _buckets_apply():
+        groups = buckets(grads, bucket_bytes, compression) or groups
+    summed_grads = list(grads)
+    finishers = []
+    # Issued in order: TF orders a launcher's collectives as they are made
+    # (see `buckets`), so the last layers' bucket goes first.
+    for number, positions in enumerate(groups):
+        carries = number == len(groups) - 1
+        bucket = [grads[p] for p in positions]
+        finish, summed_stats, summed_extra = _sum_bucket(
+            bucket,
+            stats if carries else None,
+            extra if carries else [],
+            compression,
+            options,
         )
-    else:
-        wire = compress(grads, compression)
-        reduced = all_reduce_sum(list(wire) + [stats] + extra, options=options)
-        summed_grads = decompress(reduced[: len(wire)], grads)
-        summed_stats = reduced[len(wire)]
-        summed_extra = reduced[len(wire) + 1 :]
-        if divisor is not None:
-            summed_grads = divide(summed_grads, divisor(summed_stats))
+        finishers.append((positions, finish))
+    denominator = None if divisor is None else divisor(summed_stats)
+    for positions, finish in finishers:
+        for position, summed in zip(positions, finish(denominator)):
+            summed_grads[position] = summed
     if not extra:
         return summed_grads, summed_stats
     return summed_grads, summed_stats, summed_extra
 
 
+def buckets(grads, bucket_bytes, compression=None):
+    """Positions of `grads` by all-reduce bucket, in the order to issue them.
+
+    As PyTorch's DistributedDataParallel: the last gradient first (the
+    backward pass computes the last layers' gradients first), a bucket
+    closed once it holds at least `bucket_bytes` on the wire (so a tensor
+    larger than that is a bucket of its own, and a model of at most
+    `bucket_bytes` is one bucket). None gradients take no place.
+
+    Why this overlaps the backward pass in a `tf.function` (TF 2.21): each
+    bucket is one `all_reduce_v2` whose inputs are its own gradients
+    (`CollectiveReplicaLauncher.all_reduce`, tensorflow/python/distribute/
+    cross_device_utils.py:351-380, reached from `ReplicaContext.all_reduce`
+    without a `merge_call`: collective_all_reduce_strategy.py:964-985).
+    Collectives of one launcher share its ordering token, a resource
+    (cross_device_utils.py:287-292, 343-345); automatic control
+    dependencies chain ops on one resource in the order they were made
+    (tensorflow/python/framework/auto_control_deps.py:457-488), so bucket
+    k+1 starts after bucket k, and nothing ties bucket k to the gradients of
+    later buckets: the executor starts it once its own inputs are ready.
+    TF does the same reversal for `bytes_per_pack`
+    (cross_device_ops.py:1140-1151), but there the telemetry at the end of
+    the list would land in the first pack and hold every pack back.
+
+    Args:
+        grads: The gradients (tensors, `tf.IndexedSlices` or None).
+        bucket_bytes: The bytes at which a bucket is closed.
+        compression: `None`, `"fp16"` or `"bf16"` (the wire dtype).
+            Defaults to `None`.
+
+    Returns:
+        A list of lists of positions into `grads`; `[]` if all are None.
+
+    Example:
+
+    >>> grads = [tf.ones([100]), None, tf.ones([10]), tf.ones([300])]
+    >>> buckets(grads, 800)
+    [[3], [2, 0]]
+    """
+    groups, current, size = [], [], 0
+    for position in reversed(range(len(grads))):
+        grad = grads[position]
+        if grad is None:
+            continue
+        current.append(position)
+        size += _wire_size(grad, compression)
+        if size >= bucket_bytes:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _wire_size(grad, compression):
+    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    dtype = values.dtype
+    if compression is not None and dtype.is_floating:
+        dtype = WIRE_DTYPES[compression]
+    elements = values.shape.num_elements()
+    # An unknown shape (a sparse gradient's rows): counted as one element.
+    return (1 if elements is None else elements) * dtype.size
+
+
+def _buckets_apply():
+    """Whether the collective can be split: several replicas, all of them
+    reachable from replica context (a `merge_call` reduction has no
+    backward pass to overlap)."""
+    context = tf.distribute.get_replica_context()
+    return (
+        context is not None
+        and context.num_replicas_in_sync > 1
+        and not _distribute.replicas_on_missing_devices(context.strategy)
+    )
+
+
+def _sum_bucket(grads, stats, extra, compression, options):
+    """One bucket's collective: `grads` (none None), and `stats` and
+    `extra` when it carries them (`stats` None: it does not).
+
+    Returns:
+        `(finish, summed_stats, summed_extra)`; `finish(denominator)` gives
+        the summed gradients, divided by `denominator` unless it is None.
+    """
+    if _packs_in_one(grads, stats, extra, compression, options):
+        return _sum_packed(grads, stats, extra)
+    small = [] if stats is None else [stats]
+    wire = compress(grads, compression)
+    reduced = all_reduce_sum(list(wire) + small + extra, options=options)
+    summed = decompress(reduced[: len(wire)], grads)
+    summed_stats = reduced[len(wire)] if small else None
+
+    def finish(denominator):
+        if denominator is None:
+            return summed
+        return divide(summed, denominator)
+
+    return finish, summed_stats, reduced[len(wire) + len(small) :]
+
+
 def _packs_in_one(grads, stats, extra, compression, options):
-    """Whether `_aggregate_packed` applies: a multi-replica context whose
+    """Whether `_sum_packed` applies: a multi-replica context whose
     replicas are all here, dense gradients (None allowed) of at most
-    `PACK_LIMIT` elements in all and extras of the stats' dtype, no wire
-    compression and no packing options."""
+    `PACK_LIMIT` elements in all and extras and stats (None: a bucket
+    without them) of one dtype, no wire compression and no packing
+    options."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return False
@@ -235,14 +362,13 @@ def _packs_in_one(grads, stats, extra, compression, options):
     if options is not None and getattr(options, "bytes_per_pack", 0):
         return False  # the user's own packing of the collective
     tensors = [g for g in grads if g is not None] + list(extra)
-    if not (
-        all(
-            isinstance(t, tf.Tensor)
-            and t.dtype == stats.dtype
-            and t.shape.is_fully_defined()
-            for t in tensors
-        )
-        and stats.shape.is_fully_defined()
+    if stats is not None:
+        tensors.append(stats)
+    if not tensors or not all(
+        isinstance(t, tf.Tensor)
+        and t.dtype == tensors[-1].dtype
+        and t.shape.is_fully_defined()
+        for t in tensors
     ):
         return False
     # A larger model's gradients go to the collective's own packing.
@@ -250,39 +376,43 @@ def _packs_in_one(grads, stats, extra, compression, options):
     return size <= PACK_LIMIT
 
 
-def _aggregate_packed(grads, stats, extra, divisor):
-    """`aggregate` as ONE flat vector: gradients, stats, extras.
+def _sum_packed(grads, stats, extra):
+    """`_sum_bucket` as ONE flat vector: gradients, stats (unless None),
+    extras.
 
     The collective packs its inputs this way anyway; packing here first
-    lets the division by `divisor` run once on the gradients' part instead
-    of once per gradient (elementwise the same arithmetic, so the same
-    bits), and the small tensors cost no per-tensor packing ops.
+    lets the division run once on the gradients' part instead of once per
+    gradient (elementwise the same arithmetic, so the same bits), and the
+    small tensors cost no per-tensor packing ops.
     """
-    present = [g for g in grads if g is not None]
-    grad_sizes = [g.shape.num_elements() for g in present]
+    grad_sizes = [g.shape.num_elements() for g in grads]
     scalars = bool(extra) and all(t.shape.rank == 0 for t in extra)
     # Scalars (the metrics' values) as one vector: one op each way.
-    small = [stats] + ([tf.stack(extra)] if scalars else list(extra))
+    small = [] if stats is None else [stats]
+    small += [tf.stack(extra)] if scalars else list(extra)
     small_sizes = [t.shape.num_elements() for t in small]
-    flat = tf.concat([tf.reshape(t, [-1]) for t in present + small], axis=0)
+    flat = tf.concat([tf.reshape(t, [-1]) for t in grads + small], axis=0)
     (summed,) = all_reduce_sum([flat])
     summed_grads_flat, *summed_small = tf.split(
         summed, [sum(grad_sizes)] + small_sizes
     )
-    summed_stats = summed_small[0]
+    summed_stats = None if stats is None else summed_small.pop(0)
     if scalars:
-        summed_extra = tf.unstack(summed_small[1])
+        summed_extra = tf.unstack(summed_small[0])
     else:
         summed_extra = [
-            tf.reshape(value, t.shape)
-            for value, t in zip(summed_small[1:], extra)
+            tf.reshape(value, t.shape) for value, t in zip(summed_small, extra)
         ]
-    if divisor is not None:
-        summed_grads_flat = summed_grads_flat / tf.cast(
-            divisor(summed_stats), summed_grads_flat.dtype
-        )
-    values = iter(tf.split(summed_grads_flat, grad_sizes) if present else [])
-    summed_grads = [
-        None if g is None else tf.reshape(next(values), g.shape) for g in grads
-    ]
-    return summed_grads, summed_stats, summed_extra
+
+    def finish(denominator):
+        if not grads:
+            return []
+        values = summed_grads_flat
+        if denominator is not None:
+            values = values / tf.cast(denominator, values.dtype)
+        return [
+            tf.reshape(value, grad.shape)
+            for value, grad in zip(tf.split(values, grad_sizes), grads)
+        ]
+
+    return finish, summed_stats, summed_extra

@@ -31,8 +31,10 @@ class Settings:
     Raises:
         ValueError: For an unknown `precision` or `gradient_compression`,
             `accumulation_steps` or `pipeline_microbatches` below 1, a
-            `global_clipnorm` that is not positive, or `low_communication`
-            with `accumulation_steps` or `gradient_compression`.
+            `global_clipnorm` that is not positive, a `bucket_bytes` that
+            is not a positive integer or comes with `low_communication` or
+            `communication.bytes_per_pack`, or `low_communication` with
+            `accumulation_steps` or `gradient_compression`.
         TypeError: If `communication` is not `CommunicationOptions`, or
             `low_communication` not a `kh.LowCommunication` (or its config).
 
@@ -50,6 +52,7 @@ class Settings:
     communication: object = None
     global_clipnorm: float | None = None
     low_communication: object = None
+    bucket_bytes: int | None = None
 
     def __post_init__(self):
         if isinstance(self.low_communication, dict):  # from a config
@@ -113,6 +116,7 @@ def _check(settings):
             f"global_clipnorm={clipnorm!r}. Expected a positive number "
             "or None."
         )
+    _check_bucket_bytes(settings)
     low_communication = settings.low_communication
     if low_communication is None:
         return
@@ -141,6 +145,33 @@ def _check(settings):
                     else "Raise `sync_every` instead."
                 )
             )
+
+
+def _check_bucket_bytes(settings):
+    bucket_bytes = settings.bucket_bytes
+    if bucket_bytes is None:
+        return
+    check_int(
+        "bucket_bytes",
+        bucket_bytes,
+        expected="a positive integer (bytes of gradients per all-reduce) "
+        "or None",
+    )
+    if settings.low_communication is not None:
+        raise ValueError(
+            f"`low_communication` and `bucket_bytes={bucket_bytes!r}` do not "
+            "combine: between synchronisations there is no gradient "
+            "collective to split. Leave `bucket_bytes=None`."
+        )
+    bytes_per_pack = getattr(settings.communication, "bytes_per_pack", 0)
+    if bytes_per_pack:
+        raise ValueError(
+            f"`bucket_bytes={bucket_bytes!r}` and `communication` with "
+            f"`bytes_per_pack={bytes_per_pack!r}` both split the gradient "
+            "all-reduce. Set one of them (`bucket_bytes` keeps the "
+            "telemetry in the last bucket, so the others need not wait for "
+            "the whole backward pass)."
+        )
 
 
 class SettingsInConfig:

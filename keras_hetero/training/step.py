@@ -12,7 +12,9 @@ The synchronous train step (`train_step`):
    rows and seconds into the stats vector; the metrics updated;
 5. one cross-replica SUM of the gradients, the stats vector (with several
    workers, also each one's stop request: `training.stopping`) and (Keras 3,
-   several replicas) the metrics' sums (`aggregation.aggregate`);
+   several replicas) the metrics' sums (`aggregation.aggregate`); with
+   `bucket_bytes`, one per bucket of gradients, last layers first, the
+   stats and metrics in the last;
 6. with `accumulation_steps=k`, addition to running sums (the update comes
    on every k-th micro-step);
 7. division by the global row count, optional global-norm clipping, the
@@ -112,6 +114,7 @@ def train_step(model, data):
         compression=settings.gradient_compression,
         options=settings.communication,
         extra=metric_values,
+        bucket_bytes=settings.bucket_bytes,
         # Accumulated micro-steps divide their sum at the end instead.
         divisor=divisor if accumulator is None else None,
     )
