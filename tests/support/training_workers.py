@@ -10,6 +10,7 @@ def train_mwms(
     sample_weights=False,
     regularizer=False,
     steps_per_execution=1,
+    bucket_bytes=None,
 ):
     """Fit / evaluate / predict a HeteroModel under MultiWorkerMirrored."""
     import tensorflow as tf
@@ -20,7 +21,9 @@ def train_mwms(
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = helpers.hetero_model(
-            regularizer=regularizer, steps_per_execution=steps_per_execution
+            regularizer=regularizer,
+            steps_per_execution=steps_per_execution,
+            bucket_bytes=bucket_bytes,
         )
     dataset = kh.data.shard(
         helpers.examples(sample_weights=sample_weights),

@@ -70,6 +70,29 @@ def test_fit_evaluate_predict_match_single_device(
             assert value["input_reduces_in_fit"] == 0
 
 
+def test_bucketed_all_reduce_between_workers_matches_single_device():
+    # 16 bytes a bucket: three collectives per step between the workers,
+    # the telemetry and metrics in the last (tests/training/test_buckets.py).
+    shares = [0.75, 0.25]
+    results = kh.testing.run_workers(
+        training_workers.train_mwms,
+        2,
+        timeout=300,
+        args=(shares, 2, True, True, 1, 16),
+    )
+    reference, reference_history = helpers.reference_fit(
+        sample_weights=True, regularizer=True
+    )
+    for result in results:
+        value = result.value
+        helpers.assert_weights_close(value["weights"], reference.get_weights())
+        for key in ("loss", "mae"):
+            assert value["history"][key] == pytest.approx(
+                reference_history[key], rel=1e-5
+            )
+        assert value["rows"].tolist() == [6, 2]  # the last batch: 8 rows
+
+
 def test_each_example_reaches_exactly_one_replica_once():
     shares = [0.7, 0.3]
     results = kh.testing.run_workers(
