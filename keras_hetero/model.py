@@ -106,6 +106,12 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     >>> outputs = keras.layers.Dense(1)(inputs)
     >>> model = HeteroModel(inputs, outputs)
     >>> model.compile(optimizer="sgd", loss="mse")
+
+    The gradient all-reduce in buckets of 1 MiB, last layers first:
+
+    >>> bucketed = HeteroModel(inputs, outputs, bucket_bytes=1 << 20)
+    >>> bucketed.hetero_settings.bucket_bytes
+    1048576
     """
 
     def __new__(cls, *args, **kwargs):

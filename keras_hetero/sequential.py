@@ -35,7 +35,8 @@ class HeteroSequential(
         **kwargs: `keras.Sequential`'s keyword arguments (`name`, ...) and
             `kh.HeteroModel`'s settings (`precision`,
             `gradient_compression`, `accumulation_steps`,
-            `pipeline_microbatches`, `communication`, `global_clipnorm`).
+            `pipeline_microbatches`, `communication`, `global_clipnorm`,
+            `low_communication`, `bucket_bytes`).
 
     Raises:
         ValueError: For an invalid HeteroModel setting (see

@@ -126,30 +126,24 @@ def gpu_memory_limit(index):
     return None
 
 
-def local_collective_strategy(devices):
+def local_collective_strategy(devices, key_base):
     """A MultiWorkerMirroredStrategy over this process's `devices` (e.g.
     logical CPUs), one replica each, all-reducing with the real collective
-    ops as between workers; for tests and benchmarks of the collectives'
-    graph. TensorFlow's own tests make it with the private classmethod
-    `_from_local_devices` (tensorflow/python/distribute/
-    collective_all_reduce_strategy.py:206, TF 2.21); the public constructor
-    takes one CPU per process. Each one gets group keys of its own (the
-    private class attribute `_collective_key_base`, read at construction,
-    line 380): two strategies with the same keys in one process abort each
-    other's collectives ("Shape mismatch in the collective instance")."""
+    ops as between workers; for tests of the collectives' graph
+    (`kh.testing.devices.local_collective`). TensorFlow's own tests make it
+    with the private classmethod `_from_local_devices`
+    (tensorflow/python/distribute/collective_all_reduce_strategy.py:206, TF
+    2.21); the public constructor takes one CPU per process. Its collective
+    group keys start at `key_base` (the private class attribute
+    `_collective_key_base`, read at construction, line 380): two
+    strategies with the same keys in one process abort each other's
+    collectives ("Shape mismatch in the collective instance")."""
     import tensorflow as tf
 
     strategy_class = tf.distribute.MultiWorkerMirroredStrategy
     original = strategy_class._collective_key_base
-    _LOCAL_STRATEGIES.append(None)
-    strategy_class._collective_key_base = original + 100_000 * len(
-        _LOCAL_STRATEGIES
-    )
+    strategy_class._collective_key_base = key_base
     try:
         return strategy_class._from_local_devices(list(devices))
     finally:
         strategy_class._collective_key_base = original
-
-
-# One entry per `local_collective_strategy` made in this process.
-_LOCAL_STRATEGIES = []

@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from keras_hetero import _compat
 from keras_hetero._checks import check_int
 
 
@@ -84,3 +85,28 @@ def mirrored(devices):
         return cls(devices)
     finally:
         cls._collective_key_base = saved
+
+
+def local_collective(devices):
+    """A MultiWorkerMirroredStrategy over this process's `devices`, with
+    collective keys that cannot clash with another strategy's (as
+    `mirrored`).
+
+    Its replicas all-reduce with the collective ops workers use
+    (`CollectiveReduceV2`, ordered by a token), where a MirroredStrategy
+    may reduce otherwise: for tests of the collectives' graph. Not
+    exported; a real job makes `tf.distribute.MultiWorkerMirroredStrategy()`.
+
+    Args:
+        devices: Device names of this process, e.g. `logical_cpus(2)`.
+
+    Returns:
+        A `tf.distribute.MultiWorkerMirroredStrategy`, one replica per device.
+
+    Example:
+
+    >>> strategy = local_collective(logical_cpus(2))
+    >>> strategy.num_replicas_in_sync
+    2
+    """
+    return _compat.local_collective_strategy(devices, next(_KEY_BASES))

@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
-from keras_hetero import _compat
 from keras_hetero._compat import keras
+from keras_hetero.testing.devices import local_collective
 from keras_hetero.training import aggregation
 from tests.conftest import DEVICES
 from tests.support import helpers
@@ -64,7 +64,7 @@ def test_bucketed_fit_equals_one_device(bucket_bytes, shares):
 def test_bucketed_fit_on_real_collectives_equals_one_device():
     # The collectives of MultiWorkerMirroredStrategy (CollectiveReduceV2,
     # ordering token), between two logical CPUs of this process.
-    strategy = _compat.local_collective_strategy(DEVICES[:2])
+    strategy = local_collective(DEVICES[:2])
     with strategy.scope():
         model = helpers.hetero_model(bucket_bytes=16)
     data = kh.data.shard(
@@ -108,7 +108,7 @@ def _collectives(graph, device):
 
 
 def test_each_bucket_collective_waits_only_for_its_own_gradients():
-    strategy = _compat.local_collective_strategy(DEVICES[:2])
+    strategy = local_collective(DEVICES[:2])
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -164,7 +164,7 @@ def test_each_bucket_collective_waits_only_for_its_own_gradients():
 
 
 def test_train_step_buckets_wait_for_part_of_the_backward_pass():
-    strategy = _compat.local_collective_strategy(DEVICES[:2])
+    strategy = local_collective(DEVICES[:2])
     with strategy.scope():
         model = helpers.hetero_model(bucket_bytes=16)
     batches = strategy.experimental_distribute_dataset(
@@ -190,7 +190,7 @@ def test_train_step_buckets_wait_for_part_of_the_backward_pass():
 
 
 def test_a_model_within_bucket_bytes_runs_one_collective():
-    strategy = _compat.local_collective_strategy(DEVICES[:2])
+    strategy = local_collective(DEVICES[:2])
     with strategy.scope():
         model = helpers.hetero_model(bucket_bytes=116)
     batches = strategy.experimental_distribute_dataset(
