@@ -255,18 +255,19 @@ def buckets(grads, bucket_bytes, compression=None):
     larger than that is a bucket of its own, and a model of at most
     `bucket_bytes` is one bucket). None gradients take no place.
 
-    Why this overlaps the backward pass in a `tf.function` (TF 2.21): each
-    bucket is one `all_reduce_v2` whose inputs are its own gradients
-    (`CollectiveReplicaLauncher.all_reduce`, tensorflow/python/distribute/
+    Why this overlaps the backward pass in a `tf.function` (lines of the TF
+    2.21.0 wheel's tensorflow/python sources): each bucket is one
+    `all_reduce_v2` whose inputs are its own gradients
+    (`CollectiveReplicaLauncher.all_reduce`, distribute/
     cross_device_utils.py:351-380, reached from `ReplicaContext.all_reduce`
-    without a `merge_call`: collective_all_reduce_strategy.py:964-985).
-    Collectives of one launcher share its ordering token, a resource
-    (cross_device_utils.py:287-292, 343-345); automatic control
-    dependencies chain ops on one resource in the order they were made
-    (tensorflow/python/framework/auto_control_deps.py:457-488), so bucket
-    k+1 starts after bucket k, and nothing ties bucket k to the gradients of
-    later buckets: the executor starts it once its own inputs are ready.
-    TF does the same reversal for `bytes_per_pack`
+    without a `merge_call` under MultiWorkerMirroredStrategy:
+    collective_all_reduce_strategy.py:964-985). Collectives of one launcher
+    share its ordering token, a resource (cross_device_utils.py:287-292,
+    343-345); automatic control dependencies chain ops on one resource in
+    the order they were made (framework/auto_control_deps.py:456-488), so
+    bucket k+1 starts after bucket k, and nothing ties bucket k to the
+    gradients of later buckets: the executor starts it once its own inputs
+    are ready. TF reverses the same way for `bytes_per_pack`
     (cross_device_ops.py:1140-1151), but there the telemetry at the end of
     the list would land in the first pack and hold every pack back.
 
