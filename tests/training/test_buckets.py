@@ -60,6 +60,28 @@ def test_bucketed_fit_equals_one_device(bucket_bytes, shares):
     assert model.step_stats.rows.tolist() == expected_rows.tolist()
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{"accumulation_steps": 2}, {"gradient_compression": "fp16"}],
+    ids=["accumulation", "fp16_wire"],
+)
+def test_buckets_train_like_one_collective_with_other_settings(settings):
+    weights = []
+    for bucket_bytes in (None, 16):
+        strategy = helpers.mirrored(DEVICES[:2])
+        with strategy.scope():
+            model = helpers.hetero_model(bucket_bytes=bucket_bytes, **settings)
+        data = kh.data.shard(
+            helpers.examples(),
+            helpers.GLOBAL_BATCH,
+            strategy=strategy,
+            shares=[0.75, 0.25],
+        )
+        model.fit(data, epochs=2, verbose=0)
+        weights.append(model.get_weights())
+    helpers.assert_weights_close(weights[1], weights[0])
+
+
 def test_bucketed_fit_on_real_collectives_equals_one_device():
     # The collectives of MultiWorkerMirroredStrategy (CollectiveReduceV2,
     # ordering token), between two logical CPUs of this process.
