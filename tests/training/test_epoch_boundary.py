@@ -1,0 +1,425 @@
+"""Epoch boundaries (`keras_hetero._compat.epochs`): every epoch of a
+HeteroModel reads the elements stock Keras' reads, in the same order; its
+input iterators are made once per `fit` where that reads the same epochs
+(else once per epoch); and none is destroyed on the training thread.
+
+The elements are compared through the targets: `y` is each example's id
+(scaled), and two metrics report the running mean of `y` and of `y**2`
+after every batch, which pins each batch's ids (sum and sum of squares),
+with no Python in the step. Final weights (SGD with momentum, so order
+matters) are compared too.
+"""
+
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.distribute import input_lib
+
+import keras_hetero as kh
+from keras_hetero import _compat
+from keras_hetero._compat import keras
+from tests.conftest import DEVICES
+from tests.support import helpers
+
+ROWS = 72  # 4.5 batches: the last one is partial
+BATCH = 16
+EPOCHS = 3
+
+
+def _arrays(rows=ROWS):
+    x, _, _, ids = helpers.arrays(rows)
+    return x, (ids / rows).astype("float32")[:, None]
+
+
+def _examples(rows=ROWS):
+    return tf.data.Dataset.from_tensor_slices(_arrays(rows))
+
+
+def _jitter(x, y):
+    # A stateful random op: a new iterator draws the same numbers again.
+    return x + tf.random.uniform(tf.shape(x), maxval=1e-3, seed=5), y
+
+
+INPUTS = {
+    # name: (fit's arguments, made fresh for each fit)
+    "tf.data": lambda: {"x": _examples().batch(BATCH)},
+    "tf.data shuffled each pass": lambda: {
+        "x": _examples().shuffle(ROWS, seed=3).batch(BATCH)
+    },
+    "tf.data shuffled once": lambda: {
+        "x": _examples()
+        .shuffle(ROWS, seed=3, reshuffle_each_iteration=False)
+        .batch(BATCH)
+    },
+    "tf.data random map": lambda: {"x": _examples().map(_jitter).batch(BATCH)},
+    "numpy": lambda: dict(
+        zip("xy", _arrays()), batch_size=BATCH, shuffle=False
+    ),
+    "numpy shuffled": lambda: dict(
+        zip("xy", _arrays()), batch_size=BATCH, shuffle=True
+    ),
+    "generator": lambda: {"x": _generator(), "steps_per_epoch": 5},
+    "steps_per_epoch smaller": lambda: {
+        "x": _examples().batch(BATCH),
+        "steps_per_epoch": 3,
+    },
+}
+
+
+def _generator():
+    x, y = _arrays()
+    while True:
+        for start in range(0, ROWS, BATCH):
+            yield x[start : start + BATCH], y[start : start + BATCH]
+
+
+def _id_metrics():
+    wrapper = keras.metrics.MeanMetricWrapper
+    return [
+        wrapper(lambda y_true, y_pred: y_true, name="id_mean"),
+        wrapper(lambda y_true, y_pred: y_true * y_true, name="id_square"),
+    ]
+
+
+def _model(model_class, strategy, steps_per_execution=1):
+    with strategy.scope():
+        inputs = keras.Input((helpers.FEATURES,))
+        hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+        model = model_class(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss="mse",
+            metrics=_id_metrics(),
+            steps_per_execution=steps_per_execution,
+        )
+    return model
+
+
+class _Batches(keras.callbacks.Callback):
+    """`[(epoch, running id mean, running id square mean)]`, one per call."""
+
+    def on_train_begin(self, logs=None):
+        self.seen = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(
+            (self.epoch, float(logs["id_mean"]), float(logs["id_square"]))
+        )
+
+
+class _Iterators:
+    """Counts the input iterators `fit`'s epoch loop makes (between
+    `on_train_begin` and `on_train_end`), those of distributed datasets
+    apart, and the threads their last references went on."""
+
+    DISTRIBUTED = (
+        input_lib.DistributedDataset,
+        input_lib.DistributedDatasetsFromFunction,
+    )
+
+    def __init__(self, monkeypatch):
+        self.watching = False
+        self.reset()
+        for cls in (tf.data.Dataset, *self.DISTRIBUTED):
+            monkeypatch.setattr(
+                cls, "__iter__", self._counting(cls, cls.__iter__)
+            )
+
+    def _counting(self, cls, make):
+        def counted(dataset):
+            iterator = make(dataset)
+            if self.watching:
+                self.made += 1
+                self.distributed += cls in self.DISTRIBUTED
+                weakref.finalize(iterator, self._destroyed)
+            return iterator
+
+        return counted
+
+    def _destroyed(self):
+        self.destroyed_on.append(threading.current_thread().name)
+
+    def reset(self):
+        self.made, self.distributed, self.destroyed_on = 0, 0, []
+
+    def assert_none_destroyed_on_the_training_thread(self):
+        assert threading.main_thread().name not in self.destroyed_on
+
+
+class _Watch(keras.callbacks.Callback):
+    def __init__(self, iterators):
+        super().__init__()
+        self.iterators = iterators
+
+    def on_train_begin(self, logs=None):
+        self.iterators.watching = True
+
+    def on_train_end(self, logs=None):
+        self.iterators.watching = False
+
+
+@pytest.fixture
+def iterators(monkeypatch):
+    return _Iterators(monkeypatch)
+
+
+def _fit(model_class, arguments, strategy, epochs=EPOCHS, iterators=None, **kw):
+    """`(_Batches.seen, final weights, history)` of a fit of a new model on
+    `arguments()`, with the random seed set first (the input's random ops
+    take their seeds when the input is made)."""
+    keras.utils.set_random_seed(11)
+    arguments = arguments()
+    model = _model(model_class, strategy, kw.pop("steps_per_execution", 1))
+    batches = _Batches()
+    callbacks = [batches] if iterators is None else [batches, _Watch(iterators)]
+    history = model.fit(
+        **arguments, epochs=epochs, callbacks=callbacks, verbose=0, **kw
+    )
+    return batches.seen, model.get_weights(), history.history
+
+
+def _made(iterators, model_class, arguments, strategy, **kwargs):
+    """`(iterators made by a 1-epoch fit, by an EPOCHS-epoch fit)`, each
+    as `(all, distributed)`, and the EPOCHS-epoch fit's result."""
+    made = []
+    for epochs in (1, EPOCHS):
+        iterators.reset()
+        result = _fit(
+            model_class, arguments, strategy, epochs, iterators, **kwargs
+        )
+        made.append((iterators.made, iterators.distributed))
+    return made, result
+
+
+def _assert_same_epochs(actual, expected, rtol=1e-6):
+    (seen, weights, history), (want_seen, want_weights, want_history) = (
+        actual,
+        expected,
+    )
+    assert [epoch for epoch, *_ in seen] == [epoch for epoch, *_ in want_seen]
+    np.testing.assert_allclose(
+        [values for _, *values in seen],
+        [values for _, *values in want_seen],
+        rtol=rtol,
+    )
+    helpers.assert_weights_close(weights, want_weights, rtol=rtol, atol=1e-7)
+    assert sorted(history) == sorted(want_history)
+    for name in history:
+        np.testing.assert_allclose(history[name], want_history[name], rtol=rtol)
+
+
+def _without_epoch_boundaries(monkeypatch):
+    """HeteroModel as it was before `_compat.epochs`: Keras' own epoch
+    iterators (data handlers), a `kh.data.shard` dataset iterated anew each
+    epoch under Keras 3."""
+    monkeypatch.setattr(_compat.training, "adopt_epoch_iterator", _nothing)
+    monkeypatch.setattr(
+        _compat, "repeats_sharded_input", lambda *arguments: _compat.IS_LEGACY
+    )
+    if _compat.IS_LEGACY:
+        monkeypatch.setattr(_compat.training, "install_data_handlers", _nothing)
+        monkeypatch.setattr(
+            _compat.epochs._data_adapter,
+            "get_data_handler",
+            _compat.epochs._get_data_handler,
+        )
+
+
+def _nothing(*arguments):
+    return None
+
+
+def _one_device():
+    return tf.distribute.get_strategy()
+
+
+def _two_replicas():
+    return helpers.mirrored(DEVICES[:2])
+
+
+# Inputs whose epochs read one iterator per `fit` on one device: repeatable
+# tf.data; Keras 3's array input without shuffling (a repeatable dataset
+# too); tf-keras' array input, which repeats on its own; a generator with
+# `steps_per_epoch`, read on by both flavours. The others: one per epoch.
+KEPT = {"tf.data", "tf.data shuffled each pass", "tf.data shuffled once"}
+KEPT_ON_ONE_DEVICE = KEPT | {"numpy", "generator"}
+if _compat.IS_LEGACY:
+    KEPT_ON_ONE_DEVICE |= {"numpy shuffled"}
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_each_epoch_reads_what_stock_keras_reads(name, iterators):
+    expected = _fit(keras.Model, INPUTS[name], _one_device())
+    made, actual = _made(iterators, kh.HeteroModel, INPUTS[name], _one_device())
+    _assert_same_epochs(actual, expected)
+    iterators.assert_none_destroyed_on_the_training_thread()
+    (once, _), (every, _) = made
+    if name in KEPT_ON_ONE_DEVICE:
+        assert every == once
+    elif name != "steps_per_epoch smaller":
+        # One more per epoch (stock Keras 3 makes two).
+        assert every - once == EPOCHS - 1
+
+
+@pytest.mark.parametrize(
+    "name", ["tf.data", "tf.data shuffled each pass", "tf.data random map"]
+)
+def test_two_replicas(name, iterators, monkeypatch):
+    if name == "tf.data shuffled each pass":
+        # Stock Keras 3 reads one batch from an extra iterator to build the
+        # model under a strategy (`_maybe_symbolic_build`), which draws the
+        # shuffle's seeds once more; HeteroModel never did.
+        with monkeypatch.context() as patch:
+            _without_epoch_boundaries(patch)
+            expected = _fit(kh.HeteroModel, INPUTS[name], _two_replicas())
+    else:
+        expected = _fit(keras.Model, INPUTS[name], _two_replicas())
+    made, actual = _made(
+        iterators, kh.HeteroModel, INPUTS[name], _two_replicas()
+    )
+    # Replicas sum in another order than stock Keras' mean of means.
+    _assert_same_epochs(actual, expected, rtol=1e-5)
+    iterators.assert_none_destroyed_on_the_training_thread()
+    (_, once), (_, every) = made
+    assert every - once == (0 if name in KEPT else EPOCHS - 1)
+
+
+def _sharded(strategy, shuffle=None):
+    x, y = _arrays()
+    return kh.data.shard(
+        tf.data.Dataset.from_tensor_slices((x, y)),
+        BATCH,
+        strategy=strategy,
+        shuffle=shuffle,
+        seed=4 if shuffle else None,
+    )
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("shuffle", [None, True])
+def test_sharded_dataset_reads_its_passes_from_one_iterator(
+    replicas, shuffle, iterators, monkeypatch
+):
+    strategy = _two_replicas() if replicas == 2 else _one_device()
+
+    def sharded():
+        return {"x": _sharded(strategy, shuffle)}
+
+    made, actual = _made(iterators, kh.HeteroModel, sharded, strategy)
+    (once, _), (every, _) = made
+    assert every == once
+    iterators.assert_none_destroyed_on_the_training_thread()
+    if shuffle is None:
+        # The global batches in order: stock Keras on the batched examples.
+        expected = _fit(keras.Model, INPUTS["tf.data"], strategy)
+    else:
+        with monkeypatch.context() as patch:
+            _without_epoch_boundaries(patch)
+            expected = _fit(kh.HeteroModel, sharded, strategy)
+    _assert_same_epochs(actual, expected, rtol=1e-5)
+
+
+def test_sharded_dataset_with_steps_per_execution_not_dividing_the_epoch():
+    # 5 batches, 2 steps per call: Keras 3 would read on into the next
+    # epoch from a repeated input, so it iterates each epoch anew.
+    strategy = _one_device()
+    actual = _fit(
+        kh.HeteroModel,
+        lambda: {"x": _sharded(strategy)},
+        strategy,
+        steps_per_execution=2,
+    )
+    expected = _fit(
+        keras.Model, INPUTS["tf.data"], strategy, steps_per_execution=2
+    )
+    _assert_same_epochs(actual, expected)
+
+
+def test_steps_per_execution_dividing_the_epoch(iterators):
+    def arguments():
+        # 72 rows in batches of 18: 4 batches, 2 per call.
+        return {"x": _examples().shuffle(ROWS, seed=3).batch(18)}
+
+    expected = _fit(
+        keras.Model, arguments, _one_device(), steps_per_execution=2
+    )
+    made, actual = _made(
+        iterators,
+        kh.HeteroModel,
+        arguments,
+        _one_device(),
+        steps_per_execution=2,
+    )
+    _assert_same_epochs(actual, expected)
+    (once, _), (every, _) = made
+    assert every == once
+
+
+def test_validation_data_reads_a_whole_pass_each_time(iterators):
+    def arguments():
+        validation = _examples(40).shuffle(40, seed=2).batch(BATCH)
+        return {"x": _examples().batch(BATCH), "validation_data": validation}
+
+    expected = _fit(keras.Model, arguments, _one_device())
+    made, actual = _made(iterators, kh.HeteroModel, arguments, _one_device())
+    _assert_same_epochs(actual, expected)
+    iterators.assert_none_destroyed_on_the_training_thread()
+    (once, _), (every, _) = made
+    assert every == once
+
+
+def test_after_a_stopped_fit_the_next_starts_a_new_pass():
+    # `stop_training` ends `fit` mid-epoch; the next `fit` reads the input
+    # from a pass's start, as stock Keras does.
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.model.stop_training = True
+
+    results = []
+    for model_class in (keras.Model, kh.HeteroModel):
+        keras.utils.set_random_seed(11)
+        dataset = _examples().shuffle(ROWS, seed=3).batch(BATCH)
+        model = _model(model_class, _one_device())
+        model.fit(dataset, epochs=2, callbacks=[StopAt()], verbose=0)
+        batches = _Batches()
+        history = model.fit(dataset, epochs=2, callbacks=[batches], verbose=0)
+        results.append((batches.seen, model.get_weights(), history.history))
+    _assert_same_epochs(results[1], results[0])
+
+
+@pytest.mark.parametrize(
+    "dataset, alike",
+    [
+        (_examples().batch(BATCH), True),
+        (_examples().shuffle(ROWS).batch(BATCH), True),
+        (tf.data.Dataset.random(seed=1).take(4), True),
+        (
+            _examples().map(
+                lambda x, y: (x + tf.random.stateless_uniform([], [1, 2]), y)
+            ),
+            True,
+        ),
+        (_examples().map(_jitter), False),
+        (
+            _examples().map(
+                tf.function(lambda x, y: (tf.random.shuffle(x), y))
+            ),
+            False,
+        ),
+        (
+            tf.data.Dataset.range(2).flat_map(
+                lambda i: tf.data.Dataset.from_tensors(tf.random.normal([]))
+            ),
+            False,
+        ),
+    ],
+)
+def test_repeats_alike_finds_kernel_random_state(dataset, alike):
+    assert _compat.epochs.repeats_alike(dataset) is alike
