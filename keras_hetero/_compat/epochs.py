@@ -123,18 +123,21 @@ def _kernel_random_state(graph):
     )
 
 
-def _repeatable(dataset, steps, strategy, execution_steps):
+def _repeatable(dataset, steps, execution_steps):
     """Whether an epoch of `steps` steps may read `dataset.repeat()`: a
     finite `tf.data.Dataset` that `repeats_alike`, `execution_steps`
     dividing `steps` (Keras 3 runs all of a call's steps while data lasts,
-    so a call would read on into the next epoch), one worker (a
-    multi-worker strategy shards the input itself)."""
-    extended = strategy.extended
+    so a call would read on into the next epoch).
+
+    Also under MultiWorkerMirroredStrategy: its auto-sharding splits each
+    global batch into one piece per replica, so every pass of the repeat
+    gives each worker the pieces a new iterator would (checked against
+    per-epoch iterators, shuffled, with a partial last batch:
+    tests/training/test_epoch_boundary.py)."""
     return (
         isinstance(dataset, tf.data.Dataset)
         and bool(steps)
         and steps % execution_steps == 0
-        and not getattr(extended, "_in_multi_worker_mode", lambda: False)()
         and repeats_alike(dataset)
     )
 
@@ -253,6 +256,52 @@ class _RetiredIterators:
         _release(held)
 
 
+_ASSIGNING_WITHOUT_READING = threading.local()
+
+
+@contextlib.contextmanager
+def assigns_without_reading():
+    """Keras 3's TF variables assign without reading the value back, on
+    this thread, while the context lasts.
+
+    Keras 3.15's `Variable._direct_assign` (keras/src/backend/tensorflow/
+    core.py) calls `tf.Variable.assign` with its default `read_value=True`,
+    and `Variable.assign` drops what that returns. A metric's variables
+    under a strategy are SyncOnRead: reading one is a cross-replica
+    reduction, under MultiWorkerMirroredStrategy an all-reduce across the
+    workers, one per metric variable every time `fit` resets its metrics
+    (each epoch) - 20-60 ms per epoch for the loss alone (measured on a
+    loaded 2-core machine, 2 workers).
+    """
+    if IS_LEGACY:
+        yield
+        return
+    _install_assign_without_reading()
+    _ASSIGNING_WITHOUT_READING.active = True
+    try:
+        yield
+    finally:
+        _ASSIGNING_WITHOUT_READING.active = False
+
+
+def _install_assign_without_reading():
+    from keras.src.backend.tensorflow import core
+
+    keras_assign = core.Variable._direct_assign
+    if getattr(keras_assign, "_keras_hetero", False):
+        return
+
+    def _direct_assign(variable, value):
+        if not getattr(_ASSIGNING_WITHOUT_READING, "active", False):
+            return keras_assign(variable, value)
+        variable._value.assign(
+            tf.cast(value, variable._value.dtype), read_value=False
+        )
+
+    _direct_assign._keras_hetero = True
+    core.Variable._direct_assign = _direct_assign
+
+
 class EpochComplete(StopIteration):
     """Raised (by `callbacks.end_epoch_before_step`) when an epoch's data is
     done before Keras 3's step count for it: a resumed epoch. A repeated
@@ -300,9 +349,11 @@ class _EpochIterator(_TFEpochIterator):
             return
         # Keras 3.15's `EpochIterator._enumerate_iterator` (Apache-2.0) but
         # for two changes: no iterator made after an epoch's last step that
-        # the next epoch replaces anyway (without `steps_per_epoch`), and an
-        # unknown-length input's iterator held (to be retired) instead of
-        # living only in the loop's variable.
+        # the next epoch replaces anyway (without `steps_per_epoch`; made
+        # all the same where making it draws the input's shuffle seeds, so
+        # each epoch's order stays Keras'), and an unknown-length input's
+        # iterator held (to be retired) instead of living only in the
+        # loop's variable.
         self.data_adapter.on_epoch_begin()
         steps_per_epoch = self.steps_per_epoch or self._num_batches or -1
         if steps_per_epoch > 0:
@@ -319,7 +370,7 @@ class _EpochIterator(_TFEpochIterator):
                 # Keras' loop holds this epoch's iterator now, not the last.
                 self._kh_retired.release()
             if self._num_batches and self._steps_seen >= self._num_batches:
-                if self.steps_per_epoch:
+                if self.steps_per_epoch or self._kh_draws_seeds:
                     self._current_iterator = iter(self._get_iterator())
                 self._steps_seen = 0
         else:
@@ -397,6 +448,7 @@ def adopt_epoch_iterator(iterator, strategy):
     )
     iterator._kh_pass_steps = None
     iterator._kh_at_pass_start = True
+    iterator._kh_draws_seeds = False
     iterator.__class__ = _EpochIterator
     iterator.__dict__["_kh_iterator"] = current
     adapters = (
@@ -410,8 +462,9 @@ def adopt_epoch_iterator(iterator, strategy):
         return
     dataset = adapter.get_tf_dataset()
     steps = iterator._num_batches
-    if _repeatable(dataset, steps, strategy, iterator.steps_per_execution):
-        unread = "between" if _draws_seeds(dataset) else None
+    iterator._kh_draws_seeds = _draws_seeds(dataset)
+    if _repeatable(dataset, steps, iterator.steps_per_execution):
+        unread = "between" if iterator._kh_draws_seeds else None
         distributed = strategy.experimental_distribute_dataset(
             _repeated(dataset, unread)
         )
@@ -452,7 +505,7 @@ if IS_LEGACY:
                 steps_per_epoch is None
                 and distribute
                 and isinstance(self._adapter, _data_adapter.DatasetAdapter)
-                and _repeatable(dataset, self._inferred_steps, strategy, 1)
+                and _repeatable(dataset, self._inferred_steps, 1)
             ):
                 # tf-keras shortens a call to the epoch's remaining steps
                 # (`DataHandler.steps`): any `steps_per_execution` works.

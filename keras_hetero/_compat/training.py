@@ -7,6 +7,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context as _context
 
 from keras_hetero._compat.epochs import adopt_epoch_iterator
+from keras_hetero._compat.epochs import assigns_without_reading
 from keras_hetero._compat.epochs import install_data_handlers
 from keras_hetero._compat.flavour import CONVERTS_OPTIONAL_INPUTS
 from keras_hetero._compat.flavour import EPOCH_ITERATOR_YIELDS_STEP_RANGE
@@ -285,6 +286,14 @@ class Keras3TrainerOverrides:
             )
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
+
+    def reset_metrics(self):
+        # Keras 3.15 reads each metric variable back after resetting it: a
+        # cross-replica reduction per variable at every epoch's start (see
+        # `_compat.epochs.assigns_without_reading`). (tf-keras'
+        # `backend.batch_set_value` reads back too; left as it is.)
+        with assigns_without_reading():
+            super().reset_metrics()
 
     def _make_function(self, step_function):
         # Keras 3.10-3.15 reduce step outputs with `reduce_per_replica(...,
