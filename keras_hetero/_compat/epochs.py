@@ -594,15 +594,18 @@ def install_data_handlers():
 
 
 def repeats_sharded_input(model, num_batches, kwargs):
-    """Whether `fit` reads a `kh.data.shard` dataset repeated, one iterator
-    for the whole `fit`, with `steps_per_epoch` its length (set in
-    `kwargs`).
+    """How `fit` reads a `kh.data.shard` dataset: its `repeat` argument
+    (`HeteroDataset.as_distributed_dataset`), with `steps_per_epoch` its
+    length (set in `kwargs`) when repeated.
 
-    tf-keras: always (`REPEATS_DISTRIBUTED_INPUT`; `fit` checks the
-    length). Keras 3: where the epochs stay the same: a known length, no
-    other `steps_per_epoch`, and `steps_per_execution` dividing the length
-    (Keras 3 runs all of a call's steps while data lasts, so a call would
-    read on into the next epoch).
+    tf-keras: `True`, one pass for the whole `fit` (`REPEATS_DISTRIBUTED_
+    INPUT`; `fit` checks the length). Keras 3: `"epochs"`, one iterator for
+    the whole `fit` but a pass per epoch (so `position`, `passes_started`
+    and `set_shares(from_batch=)` count as when each epoch iterates the
+    dataset anew), where the epochs stay the same: a known length, no other
+    `steps_per_epoch`, and `steps_per_execution` dividing the length (Keras
+    3 runs all of a call's steps while data lasts, so a call would read on
+    into the next epoch); else `False`.
     """
     if IS_LEGACY:
         return True
@@ -614,4 +617,4 @@ def repeats_sharded_input(model, num_batches, kwargs):
     ):
         return False
     kwargs["steps_per_epoch"] = num_batches
-    return True
+    return "epochs"

@@ -44,36 +44,69 @@ def _jitter(x, y):
 
 
 INPUTS = {
-    # name: (fit's arguments, made fresh for each fit)
-    "tf.data": lambda: {"x": _examples().batch(BATCH)},
-    "tf.data shuffled each pass": lambda: {
-        "x": _examples().shuffle(ROWS, seed=3).batch(BATCH)
+    # name: (fit's arguments for `rows` examples, made fresh for each fit)
+    "tf.data": lambda rows: {"x": _examples(rows).batch(BATCH)},
+    "tf.data shuffled each pass": lambda rows: {
+        "x": _examples(rows).shuffle(rows, seed=3).batch(BATCH)
     },
-    "tf.data shuffled once": lambda: {
-        "x": _examples()
-        .shuffle(ROWS, seed=3, reshuffle_each_iteration=False)
+    "tf.data shuffled once": lambda rows: {
+        "x": _examples(rows)
+        .shuffle(rows, seed=3, reshuffle_each_iteration=False)
         .batch(BATCH)
     },
-    "tf.data random map": lambda: {"x": _examples().map(_jitter).batch(BATCH)},
-    "numpy": lambda: dict(
-        zip("xy", _arrays()), batch_size=BATCH, shuffle=False
+    "tf.data random map": lambda rows: {
+        "x": _examples(rows).map(_jitter).batch(BATCH)
+    },
+    "numpy": lambda rows: dict(
+        zip("xy", _arrays(rows)), batch_size=BATCH, shuffle=False
     ),
-    "numpy shuffled": lambda: dict(
-        zip("xy", _arrays()), batch_size=BATCH, shuffle=True
+    "numpy shuffled": lambda rows: dict(
+        zip("xy", _arrays(rows)), batch_size=BATCH, shuffle=True
     ),
-    "generator": lambda: {"x": _generator(), "steps_per_epoch": 5},
-    "steps_per_epoch smaller": lambda: {
-        "x": _examples().batch(BATCH),
+    "generator": lambda rows: {"x": _generator(rows), "steps_per_epoch": 5},
+    "sequence": lambda rows: {"x": _Sequence(rows)},
+    "steps_per_epoch smaller": lambda rows: {
+        "x": _examples(rows).batch(BATCH),
         "steps_per_epoch": 3,
+    },
+    "steps_per_epoch smaller, repeated": lambda rows: {
+        "x": _examples(rows).shuffle(rows, seed=3).batch(BATCH).repeat(),
+        "steps_per_epoch": 3,
+    },
+    "validation_data": lambda rows: {
+        "x": _examples(rows).batch(BATCH),
+        "validation_data": _examples(40).shuffle(40, seed=2).batch(BATCH),
     },
 }
 
 
-def _generator():
-    x, y = _arrays()
+def _generator(rows):
+    x, y = _arrays(rows)
     while True:
-        for start in range(0, ROWS, BATCH):
+        for start in range(0, rows, BATCH):
             yield x[start : start + BATCH], y[start : start + BATCH]
+
+
+_SEQUENCE = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
+
+
+class _Sequence(_SEQUENCE):
+    """Batches in an order that `on_epoch_end` reverses."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.x, self.y = _arrays(rows)
+        self.order = list(range(-(-rows // BATCH)))
+
+    def __len__(self):
+        return len(self.order)
+
+    def __getitem__(self, index):
+        start = self.order[index] * BATCH
+        return self.x[start : start + BATCH], self.y[start : start + BATCH]
+
+    def on_epoch_end(self):
+        self.order.reverse()
 
 
 def _id_metrics():
@@ -174,7 +207,7 @@ def _fit(model_class, arguments, strategy, epochs=EPOCHS, iterators=None, **kw):
     `arguments()`, with the random seed set first (the input's random ops
     take their seeds when the input is made)."""
     keras.utils.set_random_seed(11)
-    arguments = arguments()
+    arguments = arguments(kw.pop("rows", ROWS))
     model = _model(model_class, strategy, kw.pop("steps_per_execution", 1))
     batches = _Batches()
     callbacks = [batches] if iterators is None else [batches, _Watch(iterators)]
@@ -245,23 +278,53 @@ def _two_replicas():
 
 # Inputs whose epochs read one iterator per `fit` on one device: repeatable
 # tf.data; Keras 3's array input without shuffling (a repeatable dataset
-# too); tf-keras' array input, which repeats on its own; a generator with
-# `steps_per_epoch`, read on by both flavours. The others: one per epoch.
-KEPT = {"tf.data", "tf.data shuffled each pass", "tf.data shuffled once"}
-KEPT_ON_ONE_DEVICE = KEPT | {"numpy", "generator"}
+# too); tf-keras' array input, which repeats on its own; an endless input
+# with `steps_per_epoch`, read on by both flavours. The others: one per
+# epoch.
+KEPT = {
+    "tf.data",
+    "tf.data shuffled each pass",
+    "tf.data shuffled once",
+    "validation_data",
+}
+ENDLESS = {"generator", "steps_per_epoch smaller, repeated"}
+KEPT_ON_ONE_DEVICE = KEPT | ENDLESS | {"numpy"}
 if _compat.IS_LEGACY:
     KEPT_ON_ONE_DEVICE |= {"numpy shuffled"}
 
+# (steps per call, rows): 5 batches a call at a time; 6 batches 3 at a
+# time; 5 batches 3 at a time, where Keras 3's last call of an epoch would
+# read on into the next one from a repeated input, so each epoch reads an
+# iterator of its own (tf-keras shortens that call: repeated all the same).
+EXECUTIONS = {"1 per call": (1, ROWS), "3 per call": (3, 96)}
+EXECUTIONS["3 per call, 5 steps"] = (3, ROWS)
 
+
+def _kept_on_one_device(name, steps_per_execution, rows):
+    if name in ENDLESS:
+        return True
+    divides = -(-rows // BATCH) % steps_per_execution == 0
+    return name in KEPT_ON_ONE_DEVICE and (_compat.IS_LEGACY or divides)
+
+
+@pytest.mark.parametrize("execution", sorted(EXECUTIONS))
 @pytest.mark.parametrize("name", sorted(INPUTS))
-def test_each_epoch_reads_what_stock_keras_reads(name, iterators):
-    expected = _fit(keras.Model, INPUTS[name], _one_device())
-    made, actual = _made(iterators, kh.HeteroModel, INPUTS[name], _one_device())
+def test_each_epoch_reads_what_stock_keras_reads(name, execution, iterators):
+    steps_per_execution, rows = EXECUTIONS[execution]
+    kwargs = {"steps_per_execution": steps_per_execution, "rows": rows}
+    expected = _fit(keras.Model, INPUTS[name], _one_device(), **kwargs)
+    made, actual = _made(
+        iterators, kh.HeteroModel, INPUTS[name], _one_device(), **kwargs
+    )
     _assert_same_epochs(actual, expected)
     iterators.assert_none_destroyed_on_the_training_thread()
     (once, _), (every, _) = made
-    if name in KEPT_ON_ONE_DEVICE:
+    if _kept_on_one_device(name, steps_per_execution, rows):
         assert every == once
+    elif name == "tf.data shuffled each pass":
+        # Keras 3 makes two per epoch boundary, each drawing the shuffle's
+        # seeds: so does HeteroModel where it falls back, to keep the order.
+        assert every - once == 2 * (EPOCHS - 1)
     elif name != "steps_per_epoch smaller":
         # One more per epoch (stock Keras 3 makes two).
         assert every - once == EPOCHS - 1
@@ -308,7 +371,7 @@ def test_sharded_dataset_reads_its_passes_from_one_iterator(
 ):
     strategy = _two_replicas() if replicas == 2 else _one_device()
 
-    def sharded():
+    def sharded(rows):
         return {"x": _sharded(strategy, shuffle)}
 
     made, actual = _made(iterators, kh.HeteroModel, sharded, strategy)
@@ -331,7 +394,7 @@ def test_sharded_dataset_with_steps_per_execution_not_dividing_the_epoch():
     strategy = _one_device()
     actual = _fit(
         kh.HeteroModel,
-        lambda: {"x": _sharded(strategy)},
+        lambda rows: {"x": _sharded(strategy)},
         strategy,
         steps_per_execution=2,
     )
@@ -342,7 +405,7 @@ def test_sharded_dataset_with_steps_per_execution_not_dividing_the_epoch():
 
 
 def test_steps_per_execution_dividing_the_epoch(iterators):
-    def arguments():
+    def arguments(rows):
         # 72 rows in batches of 18: 4 batches, 2 per call.
         return {"x": _examples().shuffle(ROWS, seed=3).batch(18)}
 
@@ -357,19 +420,6 @@ def test_steps_per_execution_dividing_the_epoch(iterators):
         steps_per_execution=2,
     )
     _assert_same_epochs(actual, expected)
-    (once, _), (every, _) = made
-    assert every == once
-
-
-def test_validation_data_reads_a_whole_pass_each_time(iterators):
-    def arguments():
-        validation = _examples(40).shuffle(40, seed=2).batch(BATCH)
-        return {"x": _examples().batch(BATCH), "validation_data": validation}
-
-    expected = _fit(keras.Model, arguments, _one_device())
-    made, actual = _made(iterators, kh.HeteroModel, arguments, _one_device())
-    _assert_same_epochs(actual, expected)
-    iterators.assert_none_destroyed_on_the_training_thread()
     (once, _), (every, _) = made
     assert every == once
 
@@ -423,3 +473,162 @@ def test_after_a_stopped_fit_the_next_starts_a_new_pass():
 )
 def test_repeats_alike_finds_kernel_random_state(dataset, alike):
     assert _compat.epochs.repeats_alike(dataset) is alike
+
+
+class _StepIds(keras.callbacks.Callback):
+    """The ids each call trained on (sorted: replicas record in any order),
+    `model.step_stats.rows` after it, and stops `fit` after `stop_after`
+    calls."""
+
+    def __init__(self, seen, stop_after=None):
+        super().__init__()
+        self.seen, self.stop_after = seen, stop_after
+        self.calls, self.rows, self._mark = [], [], 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(sorted(self.seen[self._mark :]))
+        self._mark = len(self.seen)
+        self.rows.append(self.model.step_stats.rows.tolist())
+        if len(self.calls) == self.stop_after:
+            self.model.stop_training = True
+
+
+def _id_fit(strategy, data, seed, steps_per_execution, callbacks, epochs=3):
+    seen = []
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = helpers.id_model(seen, 0.0, steps_per_execution, momentum=0.9)
+    steps = _StepIds(seen, callbacks.pop("stop_after", None))
+    model.fit(
+        data,
+        epochs=epochs,
+        verbose=0,
+        callbacks=[steps, *callbacks.pop("more", [])],
+    )
+    return model, steps
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_mid_epoch_resume_reads_the_order_of_an_uninterrupted_fit(
+    tmp_path, steps_per_execution, iterators
+):
+    # 96 rows, 6 global batches per epoch: one iterator for the whole fit
+    # (a call's steps divide the epoch), shuffled anew each pass; stopped
+    # in the second epoch, resumed by a new model from the checkpoint.
+    rows, strategy = 96, _two_replicas()
+
+    def data():
+        return kh.data.shard(
+            helpers.id_examples(rows),
+            BATCH,
+            strategy=strategy,
+            shuffle=True,
+            seed=4,
+        )
+
+    reference, uninterrupted = _id_fit(
+        strategy, data(), 1, steps_per_execution, {"more": [_Watch(iterators)]}
+    )
+    # One iterator for the whole fit.
+    assert iterators.distributed == 1
+    stop_after = 8 // steps_per_execution
+    _, first = _id_fit(
+        strategy,
+        data(),
+        1,
+        steps_per_execution,
+        {
+            "stop_after": stop_after,
+            "more": [
+                kh.callbacks.ElasticCheckpoint(
+                    tmp_path, save_every=steps_per_execution
+                )
+            ],
+        },
+    )
+    resumed, second = _id_fit(
+        strategy,
+        data(),
+        99,
+        steps_per_execution,
+        {"more": [kh.callbacks.ElasticCheckpoint(tmp_path)]},
+    )
+    assert len(first.calls) == stop_after
+    assert first.calls + second.calls == uninterrupted.calls
+    for epoch in range(3):
+        ids = [
+            row
+            for call in uninterrupted.calls[
+                epoch * 6 // steps_per_execution : (epoch + 1)
+                * 6
+                // steps_per_execution
+            ]
+            for row in call
+        ]
+        assert sorted(ids) == list(range(rows))
+    helpers.assert_weights_close(
+        resumed.get_weights(), reference.get_weights(), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_share_changes_apply_from_the_batch_they_name(steps_per_execution):
+    # One iterator across epochs: the pipeline splits the next epoch's first
+    # global batch before the epoch ends (it runs one batch ahead, as within
+    # an epoch). A change named ahead, as `ShardRebalancer` names them,
+    # takes effect exactly there; one made at `on_epoch_end` with the
+    # default `from_batch` from the first batch not yet split, which
+    # `set_shares` returns.
+    rows, strategy = 96, _two_replicas()
+    data = kh.data.shard(
+        helpers.id_examples(rows), BATCH, strategy=strategy, shares=[0.5, 0.5]
+    )
+    starts = []
+
+    def key(epoch, index):
+        # `(pass, index)`: a pass per epoch under Keras 3, as when each
+        # epoch iterates the dataset anew; one per `fit` under tf-keras.
+        if _compat.IS_LEGACY:
+            return (0, epoch * 6 + index)
+        return (epoch, index)
+
+    class Move(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 0:
+                starts.append(
+                    data.set_shares([0.25, 0.75], from_batch=key(1, 0))
+                )
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                starts.append(data.set_shares([0.75, 0.25]))
+
+    model, steps = _id_fit(
+        strategy, data, 1, steps_per_execution, {"more": [Move()]}
+    )
+    assert starts[0] == key(1, 0)
+    # The pipeline runs a few batches ahead (as `ShardRebalancer.lag` allows).
+    assert key(2, 0) <= starts[1] < key(2, 6)
+    schedule = [((0, 0), [8, 8]), (starts[0], [4, 12]), (starts[1], [12, 4])]
+    expected = []
+    for batch in [
+        key(epoch, index) for epoch in range(3) for index in range(6)
+    ]:
+        expected.append([rows for at, rows in schedule if at <= batch][-1])
+    # Telemetry sums a call's steps.
+    calls = np.reshape(expected, (-1, steps_per_execution, 2)).sum(axis=1)
+    assert steps.rows == calls.tolist()
+    # Every epoch in order, every example once: one device's global batches.
+    assert [row for call in steps.calls for row in call] == list(
+        range(rows)
+    ) * 3
+    reference, _ = _id_fit(
+        _one_device(),
+        helpers.id_examples(rows).batch(BATCH),
+        1,
+        steps_per_execution,
+        {},
+    )
+    helpers.assert_weights_close(
+        model.get_weights(), reference.get_weights(), rtol=1e-5
+    )
