@@ -65,6 +65,25 @@ _KERNEL_RANDOM_STATE = frozenset(
 )
 
 
+# Off inside `keras_own_epoch_iterators`.
+_ENABLED = threading.Event()
+_ENABLED.set()
+
+
+@contextlib.contextmanager
+def keras_own_epoch_iterators():
+    """HeteroModel as without this module, while the context lasts: Keras'
+    own epoch iterators (tf-keras' data handlers), a `kh.data.shard`
+    dataset iterated anew each epoch under Keras 3, metric resets that read
+    back. For side-by-side measurements (benchmarks/epoch_boundary.py) and
+    tests; not thread-safe, not nestable."""
+    _ENABLED.clear()
+    try:
+        yield
+    finally:
+        _ENABLED.set()
+
+
 def repeats_alike(dataset):
     """Whether each pass of `dataset.repeat()` gives what a new iterator of
     `dataset` gives.
@@ -273,7 +292,7 @@ def assigns_without_reading():
     (each epoch) - 20-60 ms per epoch for the loss alone (measured on a
     loaded 2-core machine, 2 workers).
     """
-    if IS_LEGACY:
+    if IS_LEGACY or not _ENABLED.is_set():
         yield
         return
     _install_assign_without_reading()
@@ -435,7 +454,11 @@ def adopt_epoch_iterator(iterator, strategy):
     `_EpochIterator` (HeteroModel's `_maybe_symbolic_build` calls this with
     it, before Keras iterates it). Idempotent; anything else is unchanged.
     """
-    if IS_LEGACY or type(iterator) is not _TFEpochIterator:
+    if (
+        IS_LEGACY
+        or type(iterator) is not _TFEpochIterator
+        or not _ENABLED.is_set()
+    ):
         return
     from keras.src.trainers.data_adapters import array_data_adapter
     from keras.src.trainers.data_adapters import tf_dataset_adapter
@@ -574,8 +597,10 @@ if IS_LEGACY:
 
     def _hetero_data_handler(*args, **kwargs):
         model = kwargs.get("model")
-        if not getattr(model, "_kh_epoch_boundaries", False) or getattr(
-            model, "_cluster_coordinator", None
+        if (
+            not getattr(model, "_kh_epoch_boundaries", False)
+            or getattr(model, "_cluster_coordinator", None)
+            or not _ENABLED.is_set()
         ):
             return _get_data_handler(*args, **kwargs)
         return _DataHandler(*args, **kwargs)
@@ -610,6 +635,8 @@ def repeats_sharded_input(model, num_batches, kwargs):
     if IS_LEGACY:
         return True
     steps = kwargs.get("steps_per_epoch")
+    if not _ENABLED.is_set():
+        return False
     if (
         num_batches is None
         or steps not in (None, num_batches)

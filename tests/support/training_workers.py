@@ -520,7 +520,6 @@ def epoch_boundaries_mwms(kind, steps_per_execution, rows):
     Keras' own epoch iterators (`_compat.epochs` switched off); for each,
     the running id mean and square after every call, the weights, the
     distributed iterators made and the threads they were destroyed on."""
-    import contextlib
     import threading
     import weakref
 
@@ -602,32 +601,6 @@ def epoch_boundaries_mwms(kind, steps_per_execution, rows):
             ),
         }
 
-    @contextlib.contextmanager
-    def stock_epoch_boundaries():
-        # HeteroModel before `_compat.epochs`.
-        saved = [
-            (_compat.training, "adopt_epoch_iterator"),
-            (_compat, "repeats_sharded_input"),
-        ]
-        if _compat.IS_LEGACY:
-            saved += [
-                (_compat.training, "install_data_handlers"),
-                (_compat.epochs._data_adapter, "get_data_handler"),
-            ]
-        values = [getattr(owner, name) for owner, name in saved]
-        _compat.training.adopt_epoch_iterator = lambda *arguments: None
-        _compat.repeats_sharded_input = lambda *arguments: _compat.IS_LEGACY
-        if _compat.IS_LEGACY:
-            _compat.training.install_data_handlers = lambda: None
-            _compat.epochs._data_adapter.get_data_handler = (
-                _compat.epochs._get_data_handler
-            )
-        try:
-            yield
-        finally:
-            for (owner, name), value in zip(saved, values):
-                setattr(owner, name, value)
-
-    with stock_epoch_boundaries():
+    with _compat.epochs.keras_own_epoch_iterators():
         before = fit()
     return {"before": before, "after": fit()}

@@ -247,27 +247,6 @@ def _assert_same_epochs(actual, expected, rtol=1e-6):
         np.testing.assert_allclose(history[name], want_history[name], rtol=rtol)
 
 
-def _without_epoch_boundaries(monkeypatch):
-    """HeteroModel as it was before `_compat.epochs`: Keras' own epoch
-    iterators (data handlers), a `kh.data.shard` dataset iterated anew each
-    epoch under Keras 3."""
-    monkeypatch.setattr(_compat.training, "adopt_epoch_iterator", _nothing)
-    monkeypatch.setattr(
-        _compat, "repeats_sharded_input", lambda *arguments: _compat.IS_LEGACY
-    )
-    if _compat.IS_LEGACY:
-        monkeypatch.setattr(_compat.training, "install_data_handlers", _nothing)
-        monkeypatch.setattr(
-            _compat.epochs._data_adapter,
-            "get_data_handler",
-            _compat.epochs._get_data_handler,
-        )
-
-
-def _nothing(*arguments):
-    return None
-
-
 def _one_device():
     return tf.distribute.get_strategy()
 
@@ -333,13 +312,12 @@ def test_each_epoch_reads_what_stock_keras_reads(name, execution, iterators):
 @pytest.mark.parametrize(
     "name", ["tf.data", "tf.data shuffled each pass", "tf.data random map"]
 )
-def test_two_replicas(name, iterators, monkeypatch):
+def test_two_replicas(name, iterators):
     if name == "tf.data shuffled each pass":
         # Stock Keras 3 reads one batch from an extra iterator to build the
         # model under a strategy (`_maybe_symbolic_build`), which draws the
         # shuffle's seeds once more; HeteroModel never did.
-        with monkeypatch.context() as patch:
-            _without_epoch_boundaries(patch)
+        with _compat.epochs.keras_own_epoch_iterators():
             expected = _fit(kh.HeteroModel, INPUTS[name], _two_replicas())
     else:
         expected = _fit(keras.Model, INPUTS[name], _two_replicas())
@@ -367,7 +345,7 @@ def _sharded(strategy, shuffle=None):
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("shuffle", [None, True])
 def test_sharded_dataset_reads_its_passes_from_one_iterator(
-    replicas, shuffle, iterators, monkeypatch
+    replicas, shuffle, iterators
 ):
     strategy = _two_replicas() if replicas == 2 else _one_device()
 
@@ -382,8 +360,7 @@ def test_sharded_dataset_reads_its_passes_from_one_iterator(
         # The global batches in order: stock Keras on the batched examples.
         expected = _fit(keras.Model, INPUTS["tf.data"], strategy)
     else:
-        with monkeypatch.context() as patch:
-            _without_epoch_boundaries(patch)
+        with _compat.epochs.keras_own_epoch_iterators():
             expected = _fit(kh.HeteroModel, sharded, strategy)
     _assert_same_epochs(actual, expected, rtol=1e-5)
 
