@@ -124,12 +124,17 @@ def _draws_seeds(dataset):
     """Whether a new iterator of `dataset` draws new seeds from a stage's
     seed generator: `shuffle(reshuffle_each_iteration=True)`,
     `Dataset.random(rerandomize_each_iteration=True)` (the private
-    attributes of their classes in TF 2.19-2.21)."""
-    return any(
-        getattr(stage, "_reshuffle_each_iteration", False)
-        or getattr(stage, "_rerandomize", False)
-        for stage in _stages(dataset)
-    )
+    attributes of their classes in TF 2.19-2.21). Anything it cannot see
+    into (a distributed dataset, such as `kh.data.shard`'s under Keras 3)
+    may: yes."""
+    try:
+        return any(
+            getattr(stage, "_reshuffle_each_iteration", False)
+            or getattr(stage, "_rerandomize", False)
+            for stage in _stages(dataset)
+        )
+    except (AttributeError, NotImplementedError, TypeError):
+        return True
 
 
 def _kernel_random_state(graph):
