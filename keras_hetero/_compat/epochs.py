@@ -17,14 +17,22 @@ What stock Keras pays at every epoch boundary (measured on TF 2.21, Keras
   reference goes on a thread of its own.
 - Making the next iterator: ~1 ms for a dataset, 0.1-0.3 s for a
   distributed one over 2 devices (`MultiDeviceIterator` traces its
-  per-device functions again). Keras 3 makes two per boundary
+  per-device functions again), about 0.2 s under MultiWorkerMirrored-
+  Strategy with 2 workers. Keras 3 makes two per boundary
   (`EpochIterator._enumerate_iterator`, keras/src/trainers/
   epoch_iterator.py, makes one after an epoch's last step, and without
-  `steps_per_epoch` another at the next epoch's start); here one, or none
-  where the input is read repeated: a `kh.data.shard` dataset (pass `p` is
-  a function of `(seed, p)` however it is iterated; tf-keras already reads
+  `steps_per_epoch` another at the next epoch's start); here none where
+  the input is read repeated: a `kh.data.shard` dataset (pass `p` is a
+  function of `(seed, p)` however it is iterated; tf-keras already reads
   it so), and a finite `tf.data.Dataset` (or Keras 3's unshuffled array
-  input) whose passes come out the same either way (`repeats_alike`).
+  input) whose passes come out the same either way (`repeats_alike`),
+  also under MultiWorkerMirroredStrategy. Elsewhere one, or Keras' two
+  where each draws a reshuffling input's seeds (`_draws_seeds`).
+- Keras 3's metric reset reads every metric variable back: an all-reduce
+  per variable under a strategy (`assigns_without_reading`).
+
+`keras_own_epoch_iterators` switches all of this off, for side-by-side
+measurements and tests.
 """
 
 import contextlib

@@ -8,6 +8,17 @@ The elements are compared through the targets: `y` is each example's id
 after every batch, which pins each batch's ids (sum and sum of squares),
 with no Python in the step. Final weights (SGD with momentum, so order
 matters) are compared too.
+
+Covered here, one process: every input kind (`INPUTS`: tf.data plain,
+reshuffled each pass, shuffled once, with a stateful random map; numpy with
+and without shuffling; a generator; a `PyDataset` / `Sequence`;
+`steps_per_epoch` below a finite input's length and over a repeated one;
+`validation_data`) x 1 or 3 steps per call (3 dividing the epoch, and not)
+against stock `keras.Model` on one device; MirroredStrategy on 2 logical
+CPUs; `kh.data.shard` with and without shuffling; a mid-epoch
+`ElasticCheckpoint` resume in the order of an uninterrupted fit; share
+changes at an epoch boundary. The 2-worker MultiWorkerMirrored cases are in
+test_multi_worker.py (`test_epoch_boundaries_...`).
 """
 
 import threading
