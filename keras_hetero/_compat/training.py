@@ -267,8 +267,9 @@ class Keras3TrainerOverrides:
         # distributed dataset's element spec has the shapes without reading.
         # Keras' `fit` and `evaluate` call this with their epoch iterator
         # right after making it: HeteroModel's reads a repeatable input from
-        # one iterator, else makes one per epoch (not two), and releases the
-        # ones it replaces off the training thread (`_compat.epochs`).
+        # one iterator, else makes one per epoch (Keras' two where each draws
+        # a reshuffling input's seeds), and releases the ones it replaces
+        # off the training thread (`_compat.epochs`).
         adopt_epoch_iterator(iterator, self.distribute_strategy)
         if self._distribute_strategy is None:
             return
