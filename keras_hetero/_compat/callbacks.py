@@ -1,6 +1,7 @@
 """Keras' own callbacks under HeteroModel: shared files, BackupAndRestore's
 resume point, mid-epoch starts."""
 
+from keras_hetero._compat.epochs import EpochComplete
 from keras_hetero._compat.flavour import IS_LEGACY
 from keras_hetero._compat.flavour import keras
 
@@ -126,9 +127,11 @@ def end_epoch_before_step():
     `epoch_iterator.catch_stop_iteration()`, which takes a StopIteration as
     the end of the data: the epoch ends without that call. tf-keras starts
     the resumed epoch at its step and makes no extra call: nothing to do.
+    A repeated input then stands at the next epoch's first batch, and
+    HeteroModel's epoch iterator keeps reading it (`_compat.epochs`).
     """
     if not IS_LEGACY:
-        raise StopIteration
+        raise EpochComplete
 
 
 # Keras 3 warns when a dataset ends before the epoch's step count; a resumed

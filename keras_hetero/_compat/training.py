@@ -6,6 +6,9 @@ import threading
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 
+from keras_hetero._compat.epochs import adopt_epoch_iterator
+from keras_hetero._compat.epochs import assigns_without_reading
+from keras_hetero._compat.epochs import install_data_handlers
 from keras_hetero._compat.flavour import CONVERTS_OPTIONAL_INPUTS
 from keras_hetero._compat.flavour import EPOCH_ITERATOR_YIELDS_STEP_RANGE
 from keras_hetero._compat.flavour import IS_LEGACY
@@ -262,6 +265,12 @@ class Keras3TrainerOverrides:
         # It also pulls that batch from an extra iterator: an extra pass over
         # the input (and a HeteroDataset pass that trains nothing). The
         # distributed dataset's element spec has the shapes without reading.
+        # Keras' `fit` and `evaluate` call this with their epoch iterator
+        # right after making it: HeteroModel's reads a repeatable input from
+        # one iterator, else makes one per epoch (Keras' two where each draws
+        # a reshuffling input's seeds), and releases the ones it replaces
+        # off the training thread (`_compat.epochs`).
+        adopt_epoch_iterator(iterator, self.distribute_strategy)
         if self._distribute_strategy is None:
             return
         spec = _first_local_spec(iterator)
@@ -278,6 +287,14 @@ class Keras3TrainerOverrides:
             )
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
+
+    def reset_metrics(self):
+        # Keras 3.15 reads each metric variable back after resetting it: a
+        # cross-replica reduction per variable at every epoch's start (see
+        # `_compat.epochs.assigns_without_reading`). (tf-keras'
+        # `backend.batch_set_value` reads back too; left as it is.)
+        with assigns_without_reading():
+            super().reset_metrics()
 
     def _make_function(self, step_function):
         # Keras 3.10-3.15 reduce step outputs with `reduce_per_replica(...,
@@ -454,11 +471,26 @@ def _unbatched_spec(value):
     return tf.TensorSpec([None, *value.shape[1:]], value.dtype)
 
 
-class _NoTrainerOverrides:
-    """tf-keras needs no trainer overrides."""
+class LegacyTrainerOverrides:
+    """Mixed into `HeteroModel` on tf-keras: its `fit` and `evaluate` get
+    data handlers that release the iterators they replace off the training
+    thread (`_compat.epochs`)."""
+
+    # Read by `_compat.epochs` to tell HeteroModels from other models.
+    _kh_epoch_boundaries = True
+
+    def fit(self, *args, **kwargs):
+        install_data_handlers()
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        install_data_handlers()
+        return super().evaluate(*args, **kwargs)
 
 
-TrainerOverrides = _NoTrainerOverrides if IS_LEGACY else Keras3TrainerOverrides
+TrainerOverrides = (
+    LegacyTrainerOverrides if IS_LEGACY else Keras3TrainerOverrides
+)
 
 
 def has_learning_rate_schedule(optimizer):

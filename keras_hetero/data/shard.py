@@ -283,7 +283,11 @@ class HeteroDataset:
         Args:
             repeat: Repeat the epochs forever (each epoch keeps its own last,
                 partial global batch), for loops that count steps per epoch
-                instead of re-iterating. Defaults to `False`.
+                instead of re-iterating: `True` reads them as one pass (its
+                global batches numbered on across epochs, as under
+                tf-keras), `"epochs"` as a pass per epoch (numbered from 0
+                in each, as when the dataset is iterated anew each epoch).
+                Defaults to `False`.
             class_weight: `{class: weight}`, applied as Keras' `fit` does
                 (`class_weight=`) to each replica's rows, after `map_fn`.
                 Defaults to `None`.
@@ -291,6 +295,11 @@ class HeteroDataset:
         Returns:
             A `tf.distribute.DistributedDataset` of per-replica slices.
         """
+        if repeat not in (False, True, "epochs"):
+            raise ValueError(
+                "Invalid value for argument `repeat`. Received: "
+                f'repeat={repeat!r}. Expected False, True or "epochs".'
+            )
         self._order.choose_seed(self.strategy)
         key = (
             repeat,
@@ -560,8 +569,13 @@ class HeteroDataset:
         # input's part, separated").
         if self._prefetch:
             batches = batches.prefetch(self._prefetch)
-        if repeat:
-            batches = batches.repeat()
+        if repeat == "epochs":
+            # Numbered within each pass: index 0 starts the next one.
+            batches = batches.enumerate().repeat()
+        else:
+            if repeat:
+                batches = batches.repeat()
+            batches = batches.enumerate()
 
         if self._schedule.mirror is None:
             # Views (`with_options`, ...) share the schedule and its copy.
@@ -600,7 +614,7 @@ class HeteroDataset:
         # Our own small functions run inline: a thread-pool hand-off per
         # call cost more than each of them (`_compat.inline_map`).
         split_batches = _compat.inline_map(
-            batches.enumerate(),
+            batches,
             lambda index, *batch: split(
                 index, batch[0] if len(batch) == 1 else batch, stacked
             ),

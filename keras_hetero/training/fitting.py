@@ -48,6 +48,7 @@ def _fit(model, keras_fit, x, y, args, kwargs):
         x, y, args, kwargs = converted.pop("x"), None, (), converted
     dataset = x
     class_weight = None
+    repeat = False
     if isinstance(x, HeteroDataset):
         # Applied by the HeteroDataset: Keras would `.map` the distributed
         # dataset, which has no `map`.
@@ -62,17 +63,14 @@ def _fit(model, keras_fit, x, y, args, kwargs):
                     "length. Pass `steps_per_epoch=` to `fit` (global "
                     "batches per epoch) under tf-keras."
                 )
+        # One iterator for the whole `fit` where the epochs stay the same.
+        repeat = _compat.repeats_sharded_input(model, x.num_batches, kwargs)
     batch_statistics.check_batch_normalization(
         model, dataset, kwargs.get("callbacks")
     )
     batch_statistics.check_microbatch_statistics(model)
     _compat.fix_synchronized_batch_norm(model)
-    x = as_input(
-        model,
-        x,
-        repeat=_compat.REPEATS_DISTRIBUTED_INPUT,
-        class_weight=class_weight,
-    )
+    x = as_input(model, x, repeat=repeat, class_weight=class_weight)
     validation = kwargs.get("validation_data")
     if isinstance(validation, HeteroDataset):
         if _compat.REPEATS_DISTRIBUTED_INPUT:

@@ -515,3 +515,95 @@ def stop_together_mwms(directory, signalled, at_step, steps_per_execution):
         "exit_code": code,
         "weights": model.get_weights(),
     }
+
+
+def epoch_boundaries_mwms(kind, steps_per_execution, rows):
+    """Fits of 3 epochs on `kind` input ("tf.data": shuffled each pass;
+    "shard": `kh.data.shard`, shuffled), HeteroModel as it is and with
+    Keras' own epoch iterators (`_compat.epochs` switched off); for each,
+    the running id mean and square after every call, the weights, the
+    distributed iterators made and the threads they were destroyed on."""
+    import threading
+    import weakref
+
+    import tensorflow as tf
+    from tensorflow.python.distribute import input_lib
+
+    import keras_hetero as kh
+    from keras_hetero import _compat
+    from keras_hetero._compat import keras
+    from tests.support import helpers
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, _, _, ids = helpers.arrays(rows)
+    y = (ids / rows).astype("float32")[:, None]
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+
+    def fit():
+        keras.utils.set_random_seed(11)
+        if kind == "shard":
+            data = kh.data.shard(
+                examples, 16, strategy=strategy, shuffle=True, seed=4
+            )
+        else:
+            data = examples.shuffle(rows, seed=3).batch(16)
+        with strategy.scope():
+            inputs = keras.Input((helpers.FEATURES,))
+            hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+            model = kh.HeteroModel(inputs, keras.layers.Dense(1)(hidden))
+            wrapper = keras.metrics.MeanMetricWrapper
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                loss="mse",
+                metrics=[
+                    wrapper(lambda t, p: t, name="id_mean"),
+                    wrapper(lambda t, p: t * t, name="id_square"),
+                ],
+                steps_per_execution=steps_per_execution,
+            )
+        seen = []
+
+        class Seen(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen.append([float(logs["id_mean"]), float(logs["id_square"])])
+
+        made, destroyed_on = [], []
+        classes = (
+            input_lib.DistributedDataset,
+            input_lib.DistributedDatasetsFromFunction,
+        )
+        originals = {cls: cls.__iter__ for cls in classes}
+
+        def counting(make):
+            def counted(dataset):
+                iterator = make(dataset)
+                made.append(1)
+                weakref.finalize(
+                    iterator,
+                    lambda: destroyed_on.append(
+                        threading.current_thread().name
+                    ),
+                )
+                return iterator
+
+            return counted
+
+        for cls in classes:
+            cls.__iter__ = counting(originals[cls])
+        try:
+            model.fit(data, epochs=3, verbose=0, callbacks=[Seen()])
+        finally:
+            for cls in classes:
+                cls.__iter__ = originals[cls]
+        return {
+            "seen": seen,
+            "weights": model.get_weights(),
+            "made": len(made),
+            "on_training_thread": destroyed_on.count(
+                threading.main_thread().name
+            ),
+        }
+
+    with _compat.epochs.keras_own_epoch_iterators():
+        before = fit()
+    return {"before": before, "after": fit()}

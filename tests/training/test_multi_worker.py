@@ -112,3 +112,48 @@ def test_each_example_reaches_exactly_one_replica_once():
         assert batch == sorted(batch)
         seen.extend(batch)
     assert sorted(seen) == list(range(helpers.ROWS))
+
+
+@pytest.mark.parametrize(
+    "kind, steps_per_execution, rows",
+    [
+        ("tf.data", 1, 72),
+        ("tf.data", 3, 96),
+        ("tf.data", 3, 72),
+        ("shard", 1, 72),
+        ("shard", 3, 96),
+    ],
+    ids=[
+        "tf.data",
+        "tf.data-3_per_call",
+        "tf.data-3_per_call_5_steps",
+        "shard",
+        "shard-3_per_call",
+    ],
+)
+def test_epoch_boundaries_read_what_keras_own_iterators_read(
+    kind, steps_per_execution, rows
+):
+    # `_compat.epochs`: one iterator across epochs where each epoch reads a
+    # whole pass (a call's steps dividing it), shuffled each pass as before;
+    # no iterator destroyed on the training thread.
+    results = kh.testing.run_workers(
+        training_workers.epoch_boundaries_mwms,
+        2,
+        timeout=300,
+        args=(kind, steps_per_execution, rows),
+    )
+    steps = -(-rows // 16)
+    for result in results:
+        before, after = result.value["before"], result.value["after"]
+        assert len(after["seen"]) == 3 * -(-steps // steps_per_execution)
+        np.testing.assert_allclose(after["seen"], before["seen"], rtol=1e-6)
+        helpers.assert_weights_close(
+            after["weights"], before["weights"], rtol=1e-6, atol=1e-7
+        )
+        assert after["on_training_thread"] == 0
+        # tf-keras shortens an epoch's last call: any call length works.
+        if steps % steps_per_execution == 0 or kh.FLAVOUR == "tf-keras":
+            assert after["made"] == 1
+        else:
+            assert after["made"] >= 3
