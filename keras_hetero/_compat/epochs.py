@@ -39,6 +39,7 @@ import contextlib
 import sys
 import threading
 import time
+import warnings
 
 import tensorflow as tf
 
@@ -72,6 +73,27 @@ _KERNEL_RANDOM_STATE = frozenset(
     }
 )
 
+# State outside the pipeline that the program may change between epochs: a
+# variable a map reads (a curriculum or augmentation strength that a
+# callback sets in `on_epoch_end`), Python code (`tf.py_function`). A new
+# iterator per epoch makes every element of the next epoch after that
+# change; one repeated iterator that prefetches makes the next epoch's first
+# elements during this one, with the old value. Such pipelines keep an
+# iterator per epoch (the same conservatism covers Keras preprocessing
+# layers in a `map`, which read their variables).
+_OUTSIDE_STATE = frozenset(
+    {
+        "EagerPyFunc",
+        "PyFunc",
+        "PyFuncStateless",
+        "ReadVariableOp",
+        "ResourceGather",
+        "ResourceGatherNd",
+        "VarHandleOp",
+    }
+)
+_EPOCH_DEPENDENT = _KERNEL_RANDOM_STATE | _OUTSIDE_STATE
+
 
 # Off inside `keras_own_epoch_iterators`.
 _ENABLED = threading.Event()
@@ -97,10 +119,10 @@ def repeats_alike(dataset):
     `dataset` gives.
 
     Walks the pipeline through tf.data's private `_inputs()` and
-    `_functions()` (TF 2.19-2.21) and looks for `_KERNEL_RANDOM_STATE` ops in
-    its functions (and the functions they call). A stage it cannot see into
-    (a dataset class from outside `tensorflow.python.data`, or one rebuilt
-    from a variant) answers no.
+    `_functions()` (TF 2.19-2.21) and looks for `_KERNEL_RANDOM_STATE` and
+    `_OUTSIDE_STATE` ops in its functions (and the functions they call). A
+    stage it cannot see into (a dataset class from outside
+    `tensorflow.python.data`, or one rebuilt from a variant) answers no.
     """
     try:
         for stage in _stages(dataset):
@@ -110,7 +132,7 @@ def repeats_alike(dataset):
             ):
                 return False
             for function in stage._functions():
-                if _kernel_random_state(function.function.graph):
+                if _epoch_dependent(function.function.graph):
                     return False
     except (AttributeError, NotImplementedError, TypeError):
         return False
@@ -145,11 +167,50 @@ def _draws_seeds(dataset):
         return True
 
 
-def _kernel_random_state(graph):
-    if any(op.type in _KERNEL_RANDOM_STATE for op in graph.get_operations()):
+def reads_outside_state(dataset):
+    """Whether `dataset`'s functions read `_OUTSIDE_STATE` (a variable,
+    Python code), which the program may change between epochs: True,
+    False, or None where a stage cannot be seen into (as in
+    `repeats_alike`)."""
+    try:
+        for stage in _stages(dataset):
+            kind = type(stage)
+            if not kind.__module__.startswith("tensorflow.python.data") or (
+                kind.__name__ == "_VariantDataset"
+            ):
+                return None
+            for function in stage._functions():
+                if _epoch_dependent(function.function.graph, _OUTSIDE_STATE):
+                    return True
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return False
+
+
+def _sharded_reads_outside_state(dataset):
+    """`reads_outside_state` for a `kh.data.shard` dataset: its examples
+    and its `map_fn` (traced on batches of the examples). A source that is
+    not a `tf.data.Dataset` (arrays, Arrow) reads none; its `map_fn`, which
+    cannot be traced without one: None."""
+    examples = getattr(dataset._source, "examples", None)
+    map_fn = dataset._map_fn
+    if not isinstance(examples, tf.data.Dataset):
+        return None if map_fn is not None else False
+    found = reads_outside_state(examples)
+    if found is not False or map_fn is None:
+        return found
+    try:
+        batches = examples.batch(dataset.global_batch_size).map(map_fn)
+    except Exception:  # noqa: BLE001 - fit raises it in its own words
+        return None
+    return reads_outside_state(batches)
+
+
+def _epoch_dependent(graph, ops=_EPOCH_DEPENDENT):
+    if any(op.type in ops for op in graph.get_operations()):
         return True
     return any(
-        node.op in _KERNEL_RANDOM_STATE
+        node.op in ops
         for called in graph._functions.values()
         for node in called.cached_definition.node_def
     )
@@ -631,7 +692,7 @@ def install_data_handlers():
         _data_adapter.get_data_handler = _hetero_data_handler
 
 
-def repeats_sharded_input(model, num_batches, kwargs):
+def repeats_sharded_input(model, dataset, kwargs):
     """How `fit` reads a `kh.data.shard` dataset: its `repeat` argument
     (`HeteroDataset.as_distributed_dataset`), with `steps_per_epoch` its
     length (set in `kwargs`) when repeated.
@@ -643,17 +704,40 @@ def repeats_sharded_input(model, num_batches, kwargs):
     dataset anew), where the epochs stay the same: a known length, no other
     `steps_per_epoch`, and `steps_per_execution` dividing the length (Keras
     3 runs all of a call's steps while data lasts, so a call would read on
-    into the next epoch); else `False`.
+    into the next epoch), and the pipeline reads no state the program may
+    change between epochs (`reads_outside_state`: one iterator would make
+    the next epoch's first batches before `on_epoch_end`); else `False`.
     """
     if IS_LEGACY:
+        if _sharded_reads_outside_state(dataset):  # found, not unknown
+            # tf-keras never iterates a distributed dataset anew
+            # (`REPEATS_DISTRIBUTED_INPUT`): no iterator per epoch to fall
+            # back to.
+            warnings.warn(
+                "This kh.data.shard dataset's pipeline reads a variable or "
+                "runs Python code (tf.py_function). Under tf-keras `fit` "
+                "reads it from one iterator for all epochs, which prepares "
+                "the next epoch's first batches before `on_epoch_end`: if "
+                "your program changes that state between epochs (a "
+                "curriculum, an augmentation strength), the change reaches "
+                "those batches late. Under Keras 3 such a pipeline is read "
+                "anew each epoch; under tf-keras, change the state from "
+                "`on_train_batch_begin` at a known step instead, or pass "
+                "the value through the dataset (docs/drop-in.md, 'Epoch "
+                "boundaries').",
+                UserWarning,
+                stacklevel=4,
+            )
         return True
     steps = kwargs.get("steps_per_epoch")
     if not _ENABLED.is_set():
         return False
+    num_batches = dataset.num_batches
     if (
         num_batches is None
         or steps not in (None, num_batches)
         or num_batches % steps_per_execution(model)
+        or _sharded_reads_outside_state(dataset) is not False
     ):
         return False
     kwargs["steps_per_epoch"] = num_batches

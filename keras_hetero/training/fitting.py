@@ -64,7 +64,7 @@ def _fit(model, keras_fit, x, y, args, kwargs):
                     "batches per epoch) under tf-keras."
                 )
         # One iterator for the whole `fit` where the epochs stay the same.
-        repeat = _compat.repeats_sharded_input(model, x.num_batches, kwargs)
+        repeat = _compat.repeats_sharded_input(model, x, kwargs)
     batch_statistics.check_batch_normalization(
         model, dataset, kwargs.get("callbacks")
     )

@@ -463,6 +463,92 @@ def test_repeats_alike_finds_kernel_random_state(dataset, alike):
     assert _compat.epochs.repeats_alike(dataset) is alike
 
 
+_SCALE = tf.Variable(1.0)
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        _examples().map(lambda x, y: (x * _SCALE, y)),
+        _examples().map(
+            lambda x, y: (tf.py_function(lambda v: v, [x], tf.float32), y)
+        ),
+    ],
+    ids=["reads a variable", "py_function"],
+)
+def test_repeats_alike_refuses_state_outside_the_pipeline(dataset):
+    assert _compat.epochs.repeats_alike(dataset) is False
+    assert _compat.epochs.reads_outside_state(dataset) is True
+
+
+def _curriculum_fit(model_class, strategy, kind="tf.data"):
+    """A pipeline that reads a variable which a callback sets at every
+    epoch's end (a curriculum): in a `map` of the examples behind a prefetch
+    that holds more than an epoch, or of `kh.data.shard`'s examples, or in
+    its `map_fn` (on batches)."""
+    keras.utils.set_random_seed(11)
+    scale = tf.Variable(1.0)
+    x, y = _arrays()
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+
+    def scaled(a, b):
+        return a, b * scale
+
+    if kind == "tf.data":
+        data = examples.map(scaled).batch(BATCH).prefetch(8)
+    elif kind == "shard":
+        data = kh.data.shard(examples.map(scaled), BATCH, strategy=strategy)
+    else:  # "shard map_fn"
+        data = kh.data.shard(examples, BATCH, strategy=strategy, map_fn=scaled)
+
+    class Curriculum(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            scale.assign(float(epoch + 2))
+
+    model = _model(model_class, strategy)
+    batches = _Batches()
+    history = model.fit(
+        data, epochs=EPOCHS, callbacks=[batches, Curriculum()], verbose=0
+    )
+    return batches.seen, model.get_weights(), history.history
+
+
+@pytest.mark.parametrize("strategy", [_one_device, _two_replicas])
+def test_a_variable_set_between_epochs_reaches_every_element_of_the_next(
+    strategy,
+):
+    # One repeated iterator would make the next epoch's first elements
+    # before the callback's change where something prefetches after the
+    # repeat (a distributed dataset's per-device prefetch does): targets of
+    # the old scale.
+    actual = _curriculum_fit(kh.HeteroModel, strategy())
+    expected = _curriculum_fit(keras.Model, strategy())
+    _assert_same_epochs(actual, expected)
+    means = {epoch: mean for epoch, mean, _ in actual[0]}
+    assert means[1] > 1.5 * means[0]  # the scale did change the targets
+
+
+@pytest.mark.parametrize("kind", ["shard", "shard map_fn"])
+@pytest.mark.parametrize("strategy", [_one_device, _two_replicas])
+def test_a_variable_set_between_epochs_reaches_a_sharded_dataset(
+    strategy, kind, iterators
+):
+    if _compat.IS_LEGACY:
+        # tf-keras reads a distributed dataset from one iterator: it warns.
+        with pytest.warns(UserWarning, match="reads a variable or runs"):
+            _curriculum_fit(kh.HeteroModel, strategy(), kind)
+        return
+    iterators.watching = True
+    actual = _curriculum_fit(kh.HeteroModel, strategy(), kind)
+    assert iterators.made >= EPOCHS  # an iterator per epoch
+    iterators.watching = False
+    with _compat.epochs.keras_own_epoch_iterators():
+        expected = _curriculum_fit(kh.HeteroModel, strategy(), kind)
+    _assert_same_epochs(actual, expected, rtol=1e-5)
+    means = {epoch: mean for epoch, mean, _ in actual[0]}
+    assert means[1] > 1.5 * means[0]
+
+
 class _StepIds(keras.callbacks.Callback):
     """The ids each call trained on (sorted: replicas record in any order),
     `model.step_stats.rows` after it, and stops `fit` after `stop_after`
