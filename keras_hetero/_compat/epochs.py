@@ -47,7 +47,8 @@ from keras_hetero._compat.flavour import EPOCH_ITERATOR_YIELDS_STEP_RANGE
 from keras_hetero._compat.flavour import IS_LEGACY
 from keras_hetero._compat.model import steps_per_execution
 
-# Stateful random ops that keep their state in the kernel. Each new iterator
+# Stateful random ops that keep their state in the kernel (also what
+# `data.reproducibility` looks for in a pipeline). Each new iterator
 # runs the pipeline's functions with new kernels, so re-iterating a pipeline
 # draws the same numbers every pass, while a repeated one draws on (measured
 # on TF 2.21: `map(lambda x: tf.random.uniform(...))`; Keras 3's array input
@@ -55,7 +56,7 @@ from keras_hetero._compat.model import steps_per_execution
 # epoch the same order). Seed generators (`Dataset.shuffle`,
 # `Dataset.random`) and `tf.random.Generator` / Keras seed state live in
 # resources and variables that outlive iterators: alike either way.
-_KERNEL_RANDOM_STATE = frozenset(
+KERNEL_RANDOM_STATE = frozenset(
     {
         "Multinomial",
         "ParameterizedTruncatedNormal",
@@ -92,7 +93,7 @@ _OUTSIDE_STATE = frozenset(
         "VarHandleOp",
     }
 )
-_EPOCH_DEPENDENT = _KERNEL_RANDOM_STATE | _OUTSIDE_STATE
+_EPOCH_DEPENDENT = KERNEL_RANDOM_STATE | _OUTSIDE_STATE
 
 
 # Off inside `keras_own_epoch_iterators`.
@@ -119,7 +120,7 @@ def repeats_alike(dataset):
     `dataset` gives.
 
     Walks the pipeline through tf.data's private `_inputs()` and
-    `_functions()` (TF 2.19-2.21) and looks for `_KERNEL_RANDOM_STATE` and
+    `_functions()` (TF 2.19-2.21) and looks for `KERNEL_RANDOM_STATE` and
     `_OUTSIDE_STATE` ops in its functions (and the functions they call). A
     stage it cannot see into (a dataset class from outside
     `tensorflow.python.data`, or one rebuilt from a variant) answers no.

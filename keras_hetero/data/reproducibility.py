@@ -21,6 +21,7 @@ import re
 import tensorflow as tf
 
 from keras_hetero import _compat
+from keras_hetero._compat.epochs import KERNEL_RANDOM_STATE
 
 # Shuffling ops -> the positions of their `seed` and `seed2` inputs (op
 # definitions in tensorflow/core/ops/dataset_ops.cc and
@@ -38,23 +39,7 @@ _RANDOM_DATASETS = {
     "ExperimentalRandomDataset": (0, 1),
 }
 # Stateful random ops with `seed` / `seed2` attributes (both 0: no seed).
-_STATEFUL_RANDOM = frozenset(
-    {
-        "Multinomial",
-        "ParameterizedTruncatedNormal",
-        "RandomCrop",
-        "RandomGamma",
-        "RandomPoisson",
-        "RandomPoissonV2",
-        "RandomShuffle",
-        "RandomStandardNormal",
-        "RandomUniform",
-        "RandomUniformInt",
-        "SampleDistortedBoundingBox",
-        "SampleDistortedBoundingBoxV2",
-        "TruncatedNormal",
-    }
-)
+_STATEFUL_RANDOM = KERNEL_RANDOM_STATE
 # Ops inside a dataset function that advance state kept in a variable:
 # `tf.random.Generator` (Rng*, Stateful*) and Keras random layers' seed
 # generators (Assign*VariableOp).
