@@ -35,6 +35,7 @@ What stock Keras pays at every epoch boundary (measured on TF 2.21, Keras
 measurements and tests.
 """
 
+import atexit
 import contextlib
 import sys
 import threading
@@ -310,15 +311,51 @@ def _release(iterators):
         # and `Thread.start` would wait for it forever.
         iterators.clear()
         return
+    thread = threading.Thread(
+        target=_drop_when_last,
+        args=(iterators,),
+        name="keras_hetero-iterator-release",
+        daemon=True,
+    )
     try:
-        threading.Thread(
-            target=_drop_when_last,
-            args=(iterators,),
-            name="keras_hetero-iterator-release",
-            daemon=True,
-        ).start()
+        thread.start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown"
         iterators.clear()
+        return
+    with _RELEASING_LOCK:
+        _RELEASING[:] = [t for t in _RELEASING if t.is_alive()] + [thread]
+
+
+# The release threads that may still run. They are daemon threads (a
+# release must never keep a process alive), so the interpreter would stop
+# one at exit in the middle of TensorFlow's C++ (destroying an iterator):
+# CPython 3.11 ends a daemon thread that wants the GIL after finalization
+# began with a forced unwind, which TensorFlow's `catch (...)` blocks turn
+# into "FATAL: exception not rethrown" and SIGABRT, a training process
+# that had finished exiting with 134 (seen under the launcher). `atexit`
+# runs before that: the releases are waited for there.
+_RELEASING = []
+_RELEASING_LOCK = threading.Lock()
+# Destroying an iterator waits for its autotuning thread, which sleeps at
+# most its optimization period (up to 60 s in tf.data).
+_EXIT_WAIT_SECONDS = 90.0
+
+
+def wait_for_releases(timeout=_EXIT_WAIT_SECONDS):
+    """Waits up to `timeout` seconds in all for the iterators released off
+    the training thread to be destroyed; returns whether they all were.
+    Registered with `atexit`."""
+    deadline = time.monotonic() + timeout
+    with _RELEASING_LOCK:
+        threads = list(_RELEASING)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _RELEASING_LOCK:
+        _RELEASING[:] = [t for t in _RELEASING if t.is_alive()]
+        return not _RELEASING
+
+
+atexit.register(wait_for_releases)
 
 
 def _drop_when_last(iterators):

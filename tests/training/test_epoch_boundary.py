@@ -21,6 +21,9 @@ changes at an epoch boundary. The 2-worker MultiWorkerMirrored cases are in
 test_multi_worker.py (`test_epoch_boundaries_...`).
 """
 
+import os
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -706,3 +709,44 @@ def test_share_changes_apply_from_the_batch_they_name(steps_per_execution):
     helpers.assert_weights_close(
         model.get_weights(), reference.get_weights(), rtol=1e-5
     )
+
+
+RELEASE_AT_EXIT = """
+import pathlib
+import sys
+import time
+
+from keras_hetero import _compat
+
+marker = pathlib.Path(sys.argv[1])
+
+
+class SlowToDestroy:  # as a tf.data iterator joining its autotuning thread
+    def __del__(self):
+        time.sleep(1.0)
+        marker.write_text("destroyed")
+
+
+_compat.epochs._release([SlowToDestroy()])
+# The script ends at once: the release is still under way.
+"""
+
+
+def test_the_interpreter_waits_at_exit_for_iterators_being_released(
+    tmp_path,
+):
+    # A release thread stopped by the interpreter's exit in the middle of
+    # TensorFlow's C++ aborted a finished worker (exit 134, "FATAL:
+    # exception not rethrown"); the releases finish before exit instead.
+    script = tmp_path / "release_at_exit.py"
+    script.write_text(RELEASE_AT_EXIT)
+    marker = tmp_path / "marker"
+    result = subprocess.run(
+        [sys.executable, str(script), str(marker)],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.read_text() == "destroyed"
