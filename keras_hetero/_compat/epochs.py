@@ -126,19 +126,25 @@ def repeats_alike(dataset):
     stage it cannot see into (a dataset class from outside
     `tensorflow.python.data`, or one rebuilt from a variant) answers no.
     """
+    return _finds(dataset, _EPOCH_DEPENDENT) is False
+
+
+def _finds(dataset, ops):
+    """Whether a function of `dataset`'s pipeline (or one it calls) runs one
+    of `ops`: True, False, or None where a stage cannot be seen into."""
     try:
         for stage in _stages(dataset):
             kind = type(stage)
             if not kind.__module__.startswith("tensorflow.python.data") or (
                 kind.__name__ == "_VariantDataset"
             ):
-                return False
+                return None
             for function in stage._functions():
-                if _epoch_dependent(function.function.graph):
-                    return False
+                if _epoch_dependent(function.function.graph, ops):
+                    return True
     except (AttributeError, NotImplementedError, TypeError):
-        return False
-    return True
+        return None
+    return False
 
 
 def _stages(dataset):
@@ -174,19 +180,7 @@ def reads_outside_state(dataset):
     Python code), which the program may change between epochs: True,
     False, or None where a stage cannot be seen into (as in
     `repeats_alike`)."""
-    try:
-        for stage in _stages(dataset):
-            kind = type(stage)
-            if not kind.__module__.startswith("tensorflow.python.data") or (
-                kind.__name__ == "_VariantDataset"
-            ):
-                return None
-            for function in stage._functions():
-                if _epoch_dependent(function.function.graph, _OUTSIDE_STATE):
-                    return True
-    except (AttributeError, NotImplementedError, TypeError):
-        return None
-    return False
+    return _finds(dataset, _OUTSIDE_STATE)
 
 
 def _sharded_reads_outside_state(dataset):
