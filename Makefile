@@ -120,10 +120,14 @@ test-oldest: test-oldest-keras3 test-oldest-legacy
 
 # Keras 3.10 runs the quick suite but the whole-project checks of
 # tests/project (docs pages, examples, structure, manifests), which run in
-# the newest row under both flavours; Colab's user keeps the quickstart.
+# the newest row under both flavours (Colab's user keeps the quickstart),
+# and the folders whose code does not touch Keras or differs in nothing
+# between these releases: the launcher, reports, the test harness, Ray's
+# and Spark's plumbing (they run in the newest row).
 OLDEST_SKIPS := $(addprefix --ignore=tests/project/,test_docs.py \
 	test_docs_site.py test_examples.py test_k8s_manifests.py \
-	test_structure.py test_benchmarks.py)
+	test_structure.py test_benchmarks.py) \
+	$(addprefix --ignore=tests/,launcher report testing ray spark)
 
 test-oldest-keras3: $(OLD_STAMP)
 	$(OLD_BIN)/python $(PYTEST) tests -m "not slow" $(OLDEST_SKIPS); \
