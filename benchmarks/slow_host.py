@@ -143,8 +143,6 @@ def _alone(model_kind, steps, throttle):
     """Samples/s of one worker training the whole global batch."""
     import tensorflow as tf
 
-    from keras_hetero import keras  # noqa: F401
-
     global_batch = GLOBAL_BATCH[model_kind]
     x, y = examples(model_kind, global_batch * DISTINCT_BATCHES)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat(

@@ -140,7 +140,7 @@ def _finds(dataset, ops):
             ):
                 return None
             for function in stage._functions():
-                if _epoch_dependent(function.function.graph, ops):
+                if _runs_any(function.function.graph, ops):
                     return True
     except (AttributeError, NotImplementedError, TypeError):
         return None
@@ -202,7 +202,7 @@ def _sharded_reads_outside_state(dataset):
     return reads_outside_state(batches)
 
 
-def _epoch_dependent(graph, ops=_EPOCH_DEPENDENT):
+def _runs_any(graph, ops):
     if any(op.type in ops for op in graph.get_operations()):
         return True
     return any(
