@@ -16,6 +16,7 @@ mean nothing.
 import argparse
 import datetime
 import os
+import time
 
 import numpy as np
 
@@ -200,6 +201,41 @@ def lines_on(workers, replicas, table, args, worker, timeout=590):
     return table(kh.testing.mirrored(devices), *args)
 
 
+def bare_allreduce_seconds(sizes, repeats, warmup=3):
+    """In each of the workers (`kh.testing.run_workers`; MultiWorkerMirrored
+    with TensorFlow's own thread pools): the median seconds of a bare
+    all-reduce of `size` float32 values between them, for each of `sizes`
+    (a `tf.function` of one `ReplicaContext.all_reduce` and its read-back):
+    the collective's own cost, with no model around it."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    @tf.function(reduce_retracing=True)
+    def allreduce(value):
+        def replica():
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.identity(value)
+            )
+
+        return strategy.run(replica)
+
+    medians = []
+    for size in sizes:
+        value = np.ones([size], np.float32)
+        seconds = []
+        for _ in range(repeats + warmup):
+            start = time.perf_counter()
+            strategy.experimental_local_results(allreduce(value))[0].numpy()
+            seconds.append(time.perf_counter() - start)
+        medians.append(float(np.median(seconds[warmup:])))
+    # The last collective's peer may still be reading from this worker:
+    # leaving at once can reset its connection ("Socket closed").
+    time.sleep(1.0)
+    return medians
+
+
 def round_order(names, number):
     """The runs of round `number` in turn: every other round reversed, so
     no run keeps the position after another (a bias of its own)."""
@@ -241,7 +277,7 @@ def markdown_table(columns, rows):
 
 def _numeric(cell):
     try:
-        float(str(cell).rstrip("%x"))
+        float(str(cell).rstrip("%x").replace(",", ""))
     except ValueError:
         return False
     return True

@@ -42,6 +42,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+from _harness import bare_allreduce_seconds  # noqa: E402
 from _harness import build_model  # noqa: E402
 from _harness import compile_model  # noqa: E402
 from _harness import examples  # noqa: E402
@@ -194,31 +195,6 @@ def _worker(model_kind, input_kind, steps_per_execution, width, steps):
     }
 
 
-def _allreduce_worker(size, repeats):
-    import tensorflow as tf
-
-    kh.testing.logical_cpus(1)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-    @tf.function
-    def allreduce(value):
-        def replica():
-            context = tf.distribute.get_replica_context()
-            return context.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.identity(value)
-            )
-
-        return strategy.run(replica)
-
-    value = np.ones([size], np.float32)
-    seconds = []
-    for _ in range(repeats + WARMUP):
-        start = time.perf_counter()
-        strategy.experimental_local_results(allreduce(value))[0].numpy()
-        seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds[WARMUP:]))
-
-
 def _run(name, width, steps, timeout):
     model_kind, input_kind, steps_per_execution, workers = VARIANTS[name]
     if workers == 1:
@@ -308,12 +284,12 @@ def main():
         )
         seconds = min(
             kh.testing.run_workers(
-                _allreduce_worker,
+                bare_allreduce_seconds,
                 2,
                 timeout=args.timeout,
-                args=(weights, 20),
+                args=([weights], 20),
                 cores="auto",
-            )[0].value
+            )[0].value[0]
             for _ in range(args.rounds)
         )
         print()
