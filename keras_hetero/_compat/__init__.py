@@ -66,6 +66,9 @@ from keras_hetero._compat.distribute import (
     local_collective_strategy as local_collective_strategy,
 )
 from keras_hetero._compat.distribute import (
+    mirrored_strategy as mirrored_strategy,
+)
+from keras_hetero._compat.distribute import (
     parameter_server_num_workers as parameter_server_num_workers,
 )
 from keras_hetero._compat.distribute import (

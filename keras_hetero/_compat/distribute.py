@@ -126,6 +126,26 @@ def gpu_memory_limit(index):
     return None
 
 
+def mirrored_strategy(devices, key_base):
+    """A `tf.distribute.MirroredStrategy` over `devices` whose collective
+    group keys start at `key_base` (`kh.testing.devices.mirrored`). Every
+    MirroredStrategy numbers its groups from the private class attribute
+    `_collective_key_base` (0; tensorflow/python/distribute/
+    mirrored_strategy.py:283, read at construction, line 338, used at line
+    375, TF 2.21) and has no public way to choose it: two live instances
+    over different device counts in one process collide ("joining a group
+    with size 4, but that group has size 2")."""
+    import tensorflow as tf
+
+    strategy_class = tf.distribute.MirroredStrategy
+    original = strategy_class._collective_key_base
+    strategy_class._collective_key_base = key_base
+    try:
+        return strategy_class(devices)
+    finally:
+        strategy_class._collective_key_base = original
+
+
 def local_collective_strategy(devices, key_base):
     """A MultiWorkerMirroredStrategy over this process's `devices` (e.g.
     logical CPUs), one replica each, all-reducing with the real collective

@@ -78,13 +78,7 @@ def mirrored(devices):
     >>> strategy.num_replicas_in_sync
     2
     """
-    cls = tf.distribute.MirroredStrategy
-    saved = cls._collective_key_base
-    cls._collective_key_base = next(_KEY_BASES)
-    try:
-        return cls(devices)
-    finally:
-        cls._collective_key_base = saved
+    return _compat.mirrored_strategy(devices, next(_KEY_BASES))
 
 
 def local_collective(devices):

@@ -42,6 +42,7 @@ INTERNAL_ATTRIBUTES = {
     "_learning_rate",
     "_as_serialized_graph",
     "_distribution_strategy",
+    "_collective_key_base",
 }
 
 
