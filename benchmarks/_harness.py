@@ -204,7 +204,7 @@ def lines_on(workers, replicas, table, args, worker, timeout=590):
 def bare_allreduce_seconds(sizes, repeats, warmup=3):
     """In each of the workers (`kh.testing.run_workers`; MultiWorkerMirrored
     with TensorFlow's own thread pools): the median seconds of a bare
-    all-reduce of `size` float32 values between them, for each of `sizes`
+    all-reduce between them of each of `sizes` float32 values
     (a `tf.function` of one `ReplicaContext.all_reduce` and its read-back):
     the collective's own cost, with no model around it."""
     import tensorflow as tf

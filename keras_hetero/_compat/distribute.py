@@ -1,6 +1,8 @@
 """tf.distribute internals TensorFlow has no public way to ask (each unchanged
 in TF 2.19-2.21)."""
 
+import contextlib
+
 
 def in_multi_worker_mode(strategy):
     """Whether a MultiWorkerMirroredStrategy spans several workers (one
@@ -137,11 +139,18 @@ def mirrored_strategy(devices, key_base):
     with size 4, but that group has size 2")."""
     import tensorflow as tf
 
-    strategy_class = tf.distribute.MirroredStrategy
+    with _collective_key_base(tf.distribute.MirroredStrategy, key_base):
+        return tf.distribute.MirroredStrategy(devices)
+
+
+@contextlib.contextmanager
+def _collective_key_base(strategy_class, key_base):
+    """`strategy_class`'s private `_collective_key_base` set to `key_base`
+    while a strategy is constructed (which reads it), then restored."""
     original = strategy_class._collective_key_base
     strategy_class._collective_key_base = key_base
     try:
-        return strategy_class(devices)
+        yield
     finally:
         strategy_class._collective_key_base = original
 
@@ -161,9 +170,5 @@ def local_collective_strategy(devices, key_base):
     import tensorflow as tf
 
     strategy_class = tf.distribute.MultiWorkerMirroredStrategy
-    original = strategy_class._collective_key_base
-    strategy_class._collective_key_base = key_base
-    try:
+    with _collective_key_base(strategy_class, key_base):
         return strategy_class._from_local_devices(list(devices))
-    finally:
-        strategy_class._collective_key_base = original
