@@ -49,7 +49,12 @@ class StragglerDetector(base.HeteroCallback):
     run, in its latest step as well as over the window: on a busy machine,
     steps of a few milliseconds lose whole scheduler time slices at random
     and would otherwise be flagged (see `kh.straggler` for the noise
-    floor). Recovery needs only the scores back above the thresholds.
+    floor). A slowdown that spares no step of the window (even its fastest
+    reading is slow) needs only to exceed `min_excess_seconds` and the
+    measured delays, not the jitter: a replica under a CPU quota jitters in
+    proportion to its slowdown and is still flagged within `window +
+    patience - 1` steps. Recovery needs only the scores back above the
+    thresholds.
 
     On devices that differ by design (a GPU and a CPU, speeds 1 : 4), the
     slower device's relative score is its speed ratio (0.25) from the first

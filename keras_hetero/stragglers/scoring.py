@@ -35,6 +35,19 @@ the last ~1 / `NOISE_DECAY` steps). The floor guards the alarm only: a
 straggler recovers when its scores are back above the thresholds, so a
 real one does not flap when noise rises.
 
+A sustained slowdown counts without the jitter term: when even the
+fastest of a replica's last `window` readings (all present) is slower than
+the cost it is compared with by more than `min_excess_seconds` and
+`NOISE_MEANS` times the noise, random delays cannot explain it (they would
+have spared one step in the window), so it is costly whatever the pooled
+deviations. Why: a replica slowed by a CPU quota jitters in proportion to
+its slowdown (0.3 of a core: 53-80 ms steps where 20 ms were), and with
+two replicas its own deviations are half of the pooled ones: the jitter
+term rose to the excess itself (floor 31-46 ms against 37-48 ms lost) and
+a quota drop was flagged 17 steps late on a busy machine. The sustained
+rule flags it within `window + patience - 1` steps of its first slow one,
+however it jitters.
+
 Why: on a loaded 2-core machine (two equal logical CPUs, measured by
 benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
 gives its core away for a time slice, for one replica and not the other,
@@ -271,9 +284,18 @@ def evaluate(
         individual_excess = (current - cost * individual) * state.rows
     slow = relative < relative_threshold
     lost = individual < threshold
-    costly = (slow & (relative_excess > floor)) | (
-        lost & (individual_excess > floor)
-    )
+    # Sustained: even the fastest reading of the full window is that slow
+    # (a missing reading, NaN, makes the minimum NaN: not sustained).
+    fastest = np.min(state.readings, axis=0)
+    sustained_floor = max(min_excess_seconds, NOISE_MEANS * noise)
+    with np.errstate(invalid="ignore"):
+        relative_costly = (relative_excess > floor) | (
+            (fastest - best) * state.rows > sustained_floor
+        )
+        individual_costly = (individual_excess > floor) | (
+            (fastest - cost * individual) * state.rows > sustained_floor
+        )
+    costly = (slow & relative_costly) | (lost & individual_costly)
     flagged = state.flagged
     low = np.where(flagged, slow | lost, costly)
     below = np.where(low, state.below + 1, 0)
@@ -421,9 +443,16 @@ class Scorer:
             current = np.fmin(newest, cost)
             slow = relative < relative_threshold
             lost = individual < threshold
-            costly = (slow & ((current - best) * rows > floor)) | (
-                lost & ((current - cost * individual) * rows > floor)
+            # Sustained (see `evaluate`): the full window's fastest reading.
+            fastest = np.min(self._readings, axis=1)
+            sustained_floor = max(min_excess_seconds, NOISE_MEANS * self.noise)
+            relative_costly = ((current - best) * rows > floor) | (
+                (fastest - best) * rows > sustained_floor
             )
+            individual_costly = (
+                (current - cost * individual) * rows > floor
+            ) | ((fastest - cost * individual) * rows > sustained_floor)
+            costly = (slow & relative_costly) | (lost & individual_costly)
         low = np.where(self.flagged, slow | lost, costly)
         self.below = np.where(low, self.below + 1, 0)
         self.above = np.where(low, 0, self.above + 1)

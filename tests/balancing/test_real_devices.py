@@ -170,5 +170,8 @@ def test_a_real_quota_drop_is_flagged_within_10_steps_and_nothing_before():
     assert [e for e in events if e[0] <= slow_at] == []
     stragglers = [e for e in events if e[2] == "straggler"]
     assert stragglers and stragglers[0][1] == 1
-    assert stragglers[0][0] - slow_at <= 10
+    # Within the detector's defaults' bound, window + patience - 1 = 11
+    # slow steps, however the throttled steps jitter (the sustained rule
+    # of `kh.straggler`; 7 on a quiet machine, 17 on a busy one before it).
+    assert stragglers[0][0] - slow_at <= 9 + 3 - 1
     assert results[1].value["events"] == events  # every worker alike

@@ -257,6 +257,44 @@ def test_a_1_5x_slowdown_amid_scheduling_jitter_is_flagged_within_10_steps():
     assert max(delays) <= 20
 
 
+def _both_scorers(rows, seconds, **rules):
+    """The events of `evaluate` and of `Scorer`, which must agree."""
+    state = straggler.ScoreState.empty(seconds.shape[1], 9)
+    scorer = straggler.Scorer(seconds.shape[1], 9)
+    events = []
+    for step in range(seconds.shape[0]):
+        state = straggler.add_reading(state, rows[step], seconds[step])
+        state, expected = straggler.evaluate(state, patience=3, **rules)
+        got = scorer.step(rows[step], seconds[step], patience=3, **rules)
+        assert got == expected, (step, got, expected)
+        events += [(step, *change) for change in got]
+    return events
+
+
+def test_a_quota_drop_that_jitters_with_its_slowdown_is_flagged_in_time():
+    # Two workers of 20 ms steps, delayed 3-15 ms on a fifth of the steps
+    # (a busy machine); worker 1's CPU quota drops to 0.3 of a core at
+    # reading 300. Recorded (tests/balancing/test_real_devices.py): its
+    # steps then take 53-80 ms, a jitter that grows with the slowdown and
+    # is half of the pooled deviations, so the jitter term of the floor
+    # rose to the excess itself and the flag came 13-33 steps late in 10
+    # of 40 runs. A window whose fastest reading is slow is flagged
+    # however it jitters: within window + patience - 1 = 11 slow steps.
+    delays = []
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        seconds = 0.020 * rng.lognormal(0.0, 0.02, (400, 2))
+        seconds[300:, 1] = rng.uniform(0.053, 0.080, 100)
+        hit = rng.random(seconds.shape) < 0.2
+        seconds += hit * rng.uniform(0.003, 0.015, seconds.shape)
+        rows = np.full(seconds.shape, 256.0)
+        events = _both_scorers(rows, seconds, threshold=0.7)
+        assert [(e[1], e[2]) for e in events] == [(1, "straggler")], seed
+        delays.append(events[0][0] - 300 + 1)
+    assert max(delays) <= 9 + 3 - 1
+    assert np.median(delays) <= 9 // 2 + 1 + 3
+
+
 def test_a_slowdown_all_replicas_share_flags_none():
     # The machine got 2x busier for everyone: no replica holds the others
     # up. A single replica has no one to compare with and is flagged.
