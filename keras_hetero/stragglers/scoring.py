@@ -443,16 +443,22 @@ class Scorer:
             current = np.fmin(newest, cost)
             slow = relative < relative_threshold
             lost = individual < threshold
-            # Sustained (see `evaluate`): the full window's fastest reading.
-            fastest = np.min(self._readings, axis=1)
-            sustained_floor = max(min_excess_seconds, NOISE_MEANS * self.noise)
-            relative_costly = ((current - best) * rows > floor) | (
-                (fastest - best) * rows > sustained_floor
+            costly = (slow & ((current - best) * rows > floor)) | (
+                lost & ((current - cost * individual) * rows > floor)
             )
-            individual_costly = (
-                (current - cost * individual) * rows > floor
-            ) | ((fastest - cost * individual) * rows > sustained_floor)
-            costly = (slow & relative_costly) | (lost & individual_costly)
+            # Sustained (see `evaluate`): the fastest reading of the full
+            # window, taken only for the low replicas the floor spared.
+            spared = np.flatnonzero((slow | lost) & ~costly)
+            if spared.size:
+                fastest = np.min(self._readings[spared], axis=1)
+                least = max(min_excess_seconds, NOISE_MEANS * self.noise)
+                spared_rows = rows[spared]
+                compared = cost[spared] * individual[spared]
+                costly[spared] = (
+                    slow[spared] & ((fastest - best) * spared_rows > least)
+                ) | (
+                    lost[spared] & ((fastest - compared) * spared_rows > least)
+                )
         low = np.where(self.flagged, slow | lost, costly)
         self.below = np.where(low, self.below + 1, 0)
         self.above = np.where(low, 0, self.above + 1)
