@@ -145,7 +145,7 @@ def _straggler_worker(steps, slow_at):
     }
 
 
-def test_a_real_quota_drop_is_flagged_within_10_steps_and_nothing_before():
+def test_a_real_quota_drop_is_flagged_within_11_steps_and_nothing_before():
     steps, slow_at = 90, 50
     results = kh.testing.run_workers(
         _straggler_worker,
