@@ -279,9 +279,11 @@ def evaluate(
     newest = state.readings[-1]
     current = np.where(newest < cost, newest, cost)
     # NaN (no reading) compares False: not low.
+    # The cost each replica's individual score compares it with.
+    compared = cost * individual
     with np.errstate(invalid="ignore"):
         relative_excess = (current - best) * state.rows
-        individual_excess = (current - cost * individual) * state.rows
+        individual_excess = (current - compared) * state.rows
     slow = relative < relative_threshold
     lost = individual < threshold
     # Sustained: even the fastest reading of the full window is that slow
@@ -293,7 +295,7 @@ def evaluate(
             (fastest - best) * state.rows > sustained_floor
         )
         individual_costly = (individual_excess > floor) | (
-            (fastest - cost * individual) * state.rows > sustained_floor
+            (fastest - compared) * state.rows > sustained_floor
         )
     costly = (slow & relative_costly) | (lost & individual_costly)
     flagged = state.flagged
@@ -443,8 +445,9 @@ class Scorer:
             current = np.fmin(newest, cost)
             slow = relative < relative_threshold
             lost = individual < threshold
+            compared = cost * individual
             costly = (slow & ((current - best) * rows > floor)) | (
-                lost & ((current - cost * individual) * rows > floor)
+                lost & ((current - compared) * rows > floor)
             )
             # Sustained (see `evaluate`): the fastest reading of the full
             # window, taken only for the low replicas the floor spared.
@@ -453,11 +456,11 @@ class Scorer:
                 fastest = np.min(self._readings[spared], axis=1)
                 least = max(min_excess_seconds, NOISE_MEANS * self.noise)
                 spared_rows = rows[spared]
-                compared = cost[spared] * individual[spared]
                 costly[spared] = (
                     slow[spared] & ((fastest - best) * spared_rows > least)
                 ) | (
-                    lost[spared] & ((fastest - compared) * spared_rows > least)
+                    lost[spared]
+                    & ((fastest - compared[spared]) * spared_rows > least)
                 )
         low = np.where(self.flagged, slow | lost, costly)
         self.below = np.where(low, self.below + 1, 0)
