@@ -19,6 +19,8 @@ The package: `report` (the frozen result values and the pure decisions),
 
 import dataclasses
 import math
+import sys
+import types
 
 import tensorflow as tf
 
@@ -270,3 +272,20 @@ def _global_shares(strategy, names, speeds):
     if all(math.isfinite(speed) and speed > 0 for speed in gathered):
         facts["suggested_shares"] = suggest_shares(gathered)
     return facts
+
+
+class _CallablePackage(types.ModuleType):
+    """This package, callable as its `doctor` function.
+
+    `kh.doctor` is the function, loaded when first used. Python binds each
+    package on its parent when it is first imported, so a script that
+    imports a module of this package first (`from keras_hetero.doctor import
+    report`) finds the package under `kh.doctor`: calling it runs the
+    function, so `kh.doctor(...)` works in either order.
+    """
+
+    def __call__(self, *args, **kwargs):
+        return doctor(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

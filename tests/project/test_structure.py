@@ -242,7 +242,22 @@ LAYERS = (
         "keras_hetero.run",
         "keras_hetero.testing",
         "keras_hetero.ray",
+        "keras_hetero.spark",
     ),
+)
+# The package itself is listed for its `__init__` only: a module of it is
+# in a layer only if a longer name lists it.
+ROOT = "keras_hetero"
+# What `import keras_hetero` must not load: the tools (processes, cgroups,
+# network namespaces, device timing, Spark, Ray; docs/how-it-works.md).
+TOOLS = (
+    "keras_hetero.doctor",
+    "keras_hetero.launcher",
+    "keras_hetero.placement",
+    "keras_hetero.ray",
+    "keras_hetero.run",
+    "keras_hetero.spark",
+    "keras_hetero.testing",
 )
 
 
@@ -261,7 +276,9 @@ def _layer(name):
     found, length = None, -1
     for index, members in enumerate(LAYERS):
         for member in members:
-            inside = name == member or name.startswith(member + ".")
+            inside = name == member or (
+                member != ROOT and name.startswith(member + ".")
+            )
             if inside and len(member) > length:
                 found, length = index, len(member)
     return found
@@ -290,6 +307,43 @@ def test_every_module_has_a_layer():
     assert [name for name in names if _layer(name) is None] == []
     listed = [member for members in LAYERS for member in members]
     assert [member for member in listed if not _exists(member)] == []
+
+
+def test_a_module_no_layer_lists_has_no_layer():
+    # The package's own name covers its `__init__` only, so a new module
+    # that no entry lists fails the check above.
+    assert _layer(ROOT) is not None
+    assert _layer("keras_hetero.new_module") is None
+    assert _layer("keras_hetero.training.new_module") == _layer(
+        "keras_hetero.training"
+    )
+
+
+def test_import_keras_hetero_loads_the_core_only():
+    script = (
+        "import sys\n"
+        "import keras_hetero as kh\n"
+        "print(sorted(m for m in sys.modules if m.startswith(\n"
+        f"    {TOOLS!r})))\n"
+        "assert callable(kh.doctor) and kh.testing.logical_cpus\n"
+        "print(sorted(m for m in sys.modules if m.startswith(\n"
+        "    ('keras_hetero.doctor', 'keras_hetero.testing'))))\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=PACKAGE.parent,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    loaded, used = result.stdout.splitlines()[-2:]
+    assert loaded == "[]", f"import keras_hetero loaded tools: {loaded}"
+    # ... and they load when used.
+    assert "'keras_hetero.doctor'" in used
+    assert "'keras_hetero.testing'" in used
 
 
 def test_no_module_imports_a_higher_layer():
