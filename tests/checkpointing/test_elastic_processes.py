@@ -231,10 +231,6 @@ EPOCHS = 3
 # also replay steps trained after the newest checkpoint, and a
 # ShardRebalancer moves the shares (worker 0 is simulated slower).
 SYNC = ["--save-every", "1", "--sync-save"]
-# The input kinds differ below Keras (the pipeline and its resume position);
-# under tf-keras `kh.data.shard` stands for them (each kind's flavour-specific
-# entry is tested in-process under both flavours).
-ONE_FLAVOUR = pytest.mark.one_flavour
 KILLS = {
     "shard": ("1,10,11,17,20", SYNC),
     "arrays": ("2,10,21", SYNC),
@@ -279,7 +275,11 @@ def _run_killed(tmp_path, kind, faults, save, name="out"):
 @pytest.mark.parametrize(
     "kind",
     [
-        kind if kind == "shard" else pytest.param(kind, marks=ONE_FLAVOUR)
+        # The input kinds differ below Keras (the pipeline and its resume
+        # position); under tf-keras in CI `kh.data.shard` stands for them
+        # (each kind's flavour-specific entry is tested in-process under
+        # both flavours).
+        pytest.param(kind, marks=pytest.mark.both_flavours) if kind == "shard" else kind
         for kind in sorted(KILLS)
     ],
 )
@@ -360,8 +360,8 @@ def _fit_in_order(model, order, batch):
     "after, kind, batch",
     [
         (3, "shard", BATCH),
-        pytest.param(1, "arrays", BATCH, marks=ONE_FLAVOUR),
-        pytest.param(3, "shard", 12, marks=ONE_FLAVOUR),
+        (1, "arrays", BATCH),
+        (3, "shard", 12),
     ],
     ids=["2to3-shuffled", "2to1-arrays", "2to3-batch12-scale_learning_rate"],
 )
@@ -490,7 +490,6 @@ def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(
         )
 
 
-@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
@@ -503,7 +502,6 @@ def test_launcher_gives_up_after_max_restarts_with_the_exit_code(tmp_path):
     assert "[worker 0] about to fail" in log.getvalue()
 
 
-@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_launcher_shrinks_to_survivors_down_to_min_workers(tmp_path):
     script = tmp_path / "flaky.py"
     script.write_text(
@@ -542,7 +540,6 @@ class _Hosts:
         return [*command, str(host)]
 
 
-@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_min_workers_leaves_out_the_worker_the_hang_reports_name(tmp_path):
     # Attempt 0: the workers on hosts 0 and 2 report worker 1 missing (as
     # after a cut link) and exit 75; worker 1 names them both and exits 75
@@ -598,7 +595,6 @@ def test_min_workers_leaves_out_the_worker_the_hang_reports_name(tmp_path):
     assert hosts.used == [[0, 1, 2], [0, 1, 2]]
 
 
-@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_lost_workers_needs_a_majority_of_the_others():
     assert launcher.lost_workers({0: [2], 1: [2], 2: [0, 1]}) == [2]
     # Two workers naming each other: nothing tells the sides apart.
@@ -613,7 +609,6 @@ def test_lost_workers_needs_a_majority_of_the_others():
     assert launcher.lost_workers({2: [1], 1: [0, 2]}) == []  # as if of 2
 
 
-@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_command_line_entry_point(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(
@@ -654,7 +649,6 @@ def test_command_line_entry_point(tmp_path):
     assert "workers=0" in bad.stderr
 
 
-@ONE_FLAVOUR  # the launcher's argument checks, below Keras
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -668,7 +662,6 @@ def test_launcher_bad_arguments(kwargs, message):
         launcher.launch([sys.executable, "-c", "pass"], **kwargs)
 
 
-@ONE_FLAVOUR  # the launcher's policy, below Keras
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path):
     script = tmp_path / "forever.py"
     script.write_text(

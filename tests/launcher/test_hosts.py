@@ -7,9 +7,8 @@ launcher in its own network namespace (`kh.testing.NetworkHosts`, root)
 with `tests/scripts/host_train.py` (elastic_train.py: 80 examples, global
 batch 8, a checkpoint every step), and compare the final weights with one
 device trained on the same global batches. The launcher's own behaviour
-lies below Keras (`one_flavour`): the 2-host training job runs under both
-flavours, the 3-host job that loses a host and readmits it (host count and
-fault, the axis below Keras; over two minutes) under Keras 3 in CI.
+lies below Keras: CI runs these under Keras 3 (`make test-all`: both
+flavours).
 """
 
 import io
@@ -296,7 +295,6 @@ def _launched(output):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_two_hosts_auto_devices_and_a_restart_after_a_failed_worker(
     tmp_path,
 ):
@@ -336,7 +334,6 @@ def test_two_hosts_auto_devices_and_a_restart_after_a_failed_worker(
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_no_restarts_left_ends_every_host_with_the_workers_status(tmp_path):
     results = _host_threads(
         tmp_path,
@@ -354,7 +351,6 @@ def test_no_restarts_left_ends_every_host_with_the_workers_status(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_a_host_with_other_arguments_is_refused_and_named(tmp_path):
     results = _host_threads(
         tmp_path,
@@ -419,7 +415,6 @@ class _Rank1:
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_ctrl_c_on_rank_0_ends_the_job_on_every_host(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('training', flush=True)\n"
@@ -444,7 +439,6 @@ def test_ctrl_c_on_rank_0_ends_the_job_on_every_host(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_hosts_rejoin_a_rank_0_that_comes_back(tmp_path):
     # Rank 0's launcher is SIGKILLed mid-attempt (its worker, a 3 s sleep,
     # ends on its own): rank 1 stops its worker, joins the new rank 0's
@@ -648,7 +642,6 @@ def test_two_hosts_with_2_and_1_workers_train_like_one_device(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # the 2-host job covers the flavours
 @needs_namespaces
 def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
     # --nnodes 2:3; ranks 0, 1, 2 have 1, 2, 1 (fake) GPUs, so 1, 2, 1
@@ -728,7 +721,6 @@ def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 @needs_namespaces
 def test_wrong_token_is_refused_and_the_timeout_names_the_missing_host(
     tmp_path,

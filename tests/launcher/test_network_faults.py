@@ -152,7 +152,6 @@ def _finish(thread, box, log, out, attempts):
     return result, restored
 
 
-@pytest.mark.one_flavour
 def test_harness_cuts_restores_slows_and_cleans_up():
     with kh.testing.NetworkHosts(2, relayed=(1,)) as net:
         port = int(net.addresses(2, 0)[1].split(":")[1])
@@ -221,11 +220,8 @@ def test_harness_cuts_restores_slows_and_cleans_up():
         kh.testing.NetworkHosts(2, relayed=(2,))
 
 
-# The representative under tf-keras (`one_flavour`): a cut, a report, a
-# restart from the checkpoint and exactly-once weights.
-@pytest.mark.parametrize(
-    "hosts", [2, pytest.param(3, marks=pytest.mark.one_flavour)]
-)
+# A cut, a report, a restart from the checkpoint and exactly-once weights.
+@pytest.mark.parametrize("hosts", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(
     tmp_path, hosts
 ):
@@ -282,7 +278,6 @@ def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(
     )
 
 
-@pytest.mark.one_flavour
 def test_min_workers_restarts_without_the_cut_off_host(tmp_path):
     # Host 1 of 3 stays cut: the restart must leave it out (the survivors'
     # hang reports name it), not the last host.
@@ -304,7 +299,6 @@ def test_min_workers_restarts_without_the_cut_off_host(tmp_path):
     )
 
 
-@pytest.mark.one_flavour
 def test_cut_shorter_than_the_timeout_continues_without_restart(tmp_path):
     with kh.testing.NetworkHosts(2) as net:
         thread, box, log, out = _start(net, tmp_path)
@@ -324,7 +318,6 @@ def test_cut_shorter_than_the_timeout_continues_without_restart(tmp_path):
     )
 
 
-@pytest.mark.one_flavour
 def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
     with kh.testing.NetworkHosts(2) as net:
         thread, box, log, out = _start(net, tmp_path)
@@ -344,7 +337,6 @@ def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
     )
 
 
-@pytest.mark.one_flavour
 @pytest.mark.parametrize("hosts", [2, 3])
 def test_slow_link_is_reported_as_communication_not_a_slow_device(
     tmp_path, hosts
@@ -400,7 +392,6 @@ def test_slow_link_is_reported_as_communication_not_a_slow_device(
     )
 
 
-@pytest.mark.one_flavour
 def test_launcher_backs_off_between_quick_failures(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys\nsys.exit(3)\n")
@@ -432,7 +423,6 @@ _PSS_SERVER = (
 )
 
 
-@pytest.mark.one_flavour
 def test_parameter_server_worker_cut_and_restored_finishes():
     """ParameterServerStrategy: the ps on host 0, workers on hosts 1 and 2,
     the coordinator in the root namespace (on the bridge). Worker 1's link

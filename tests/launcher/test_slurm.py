@@ -84,9 +84,9 @@ if (strategy.cluster_resolver.task_id or 0) == 0:
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.serial,
-    # The scheduler lies below Keras: the resume itself is covered under
-    # both flavours by tests/checkpointing/test_elastic_processes.py.
-    pytest.mark.one_flavour,
+    # The scheduler lies below Keras (CI runs this under Keras 3): the
+    # resume itself is covered under both flavours by
+    # tests/checkpointing/test_elastic_processes.py.
     pytest.mark.skipif(
         not sys.platform.startswith("linux") or os.geteuid() != 0,
         reason="a local Slurm needs Linux and root (it installs packages "

@@ -56,7 +56,6 @@ def test_quickstart_prints_the_table_and_writes_the_report(tmp_path):
 @pytest.mark.slow
 @pytest.mark.serial
 # tests/balancing/test_real_devices.py covers both flavours.
-@pytest.mark.one_flavour
 def test_real_devices_demo_rebalances_two_capped_workers(tmp_path):
     """`make demo` where CPU quotas exist: real workers, real speed-up."""
     available, reason = kh.testing.cpu_quota_available()

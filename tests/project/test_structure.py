@@ -16,6 +16,7 @@ import ast
 import importlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -534,3 +535,49 @@ def test_device_matches_compares_the_parts_the_pattern_names(
     pattern, device, expected
 ):
     assert _distribute.device_matches(pattern, device) is expected
+
+
+def _map_of_the_code():
+    """The modules docs/how-it-works.md's table names, as paths inside the
+    package. In a cell, `folder/` makes `folder` the folder of the bare names
+    after it (`_compat/`: `flavour.py`, ...)."""
+    text = (PACKAGE.parent / "docs" / "how-it-works.md").read_text()
+    table = text[text.index("| capability |") :]
+    table = table[: table.index("\n\n")]
+    named = set()
+    for row in table.splitlines()[2:]:
+        for cell in row.split("|"):
+            folder = ""
+            for token in re.findall(r"`([\w/]+\.py|\w+/)`", cell):
+                if token.endswith("/"):
+                    folder = token
+                    named.add(folder)
+                elif "/" in token:
+                    named.add(token)
+                else:
+                    named.add(folder + token)
+    return named
+
+
+def test_the_map_of_the_code_names_every_module():
+    named = _map_of_the_code()
+    missing, stale = [], []
+    for _, path in _modules():
+        relative = path.relative_to(PACKAGE).as_posix()
+        folder = relative.rsplit("/", 1)[0] + "/" if "/" in relative else ""
+        package_init = relative.endswith("__init__.py")
+        if relative == "__init__.py" or (
+            package_init
+            and (folder in named or any(n.startswith(folder) for n in named))
+        ):
+            continue
+        if relative not in named:
+            missing.append(relative)
+    for name in named:
+        if not (PACKAGE / name).exists():
+            stale.append(name)
+    assert not missing and not stale, (
+        "docs/how-it-works.md's table of the code and the package differ: "
+        f"not in the table {sorted(missing)}; not in the package "
+        f"{sorted(stale)}"
+    )

@@ -155,7 +155,6 @@ def _reported_step(result):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_ray_run_equals_keras_hetero_run(ray_cluster, launcher_run, tmp_path):
     out = str(tmp_path / "out")
     result = _fit({"out": out}, 2, str(tmp_path / "ray"), "plain")
@@ -206,7 +205,6 @@ def test_killed_worker_restarts_at_the_reported_step(
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_low_communication_killed_worker_resumes_exactly(ray_cluster, tmp_path):
     # Each report (every 2 steps) ends the round on every worker and saves
     # each replica's inner optimizer state (SGD momentum): the resumed run
@@ -233,7 +231,6 @@ def test_low_communication_killed_worker_resumes_exactly(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_restart_with_fewer_workers_reshards_exactly(ray_cluster, tmp_path):
     out, storage = str(tmp_path / "out"), str(tmp_path / "ray")
     first = _fit({"out": out, "epochs": 1, "stop_after": 7}, 2, storage, "rs")

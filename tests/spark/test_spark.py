@@ -159,7 +159,6 @@ def test_killed_task_restarts_the_stage_which_resumes_exactly(
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # Spark's plumbing, below Keras
 def test_a_failing_worker_fails_the_run_with_its_error(spark):
     with pytest.raises(RuntimeError) as raised:
         kh.spark.run(_fails, 1, spark=spark)
@@ -173,7 +172,6 @@ def _fails():
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # Spark's plumbing, below Keras
 def test_bad_arguments_are_refused_before_any_task(spark):
     with pytest.raises(ValueError, match=r"2 task slot\(s\)"):
         kh.spark.run(spark_workers.train, 3, spark=spark)
@@ -200,7 +198,6 @@ def test_import_without_pyspark_names_the_extra():
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour
 def test_example_script_trains(tmp_path):
     # Its own local Spark (a second driver JVM), 2 workers, 1 epoch.
     if not _has_java():

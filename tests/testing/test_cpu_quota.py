@@ -171,7 +171,6 @@ def _placement_worker():
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # cgroups and pinning lie below Keras
 def test_run_workers_pins_caps_and_removes_groups_after_a_crash(cgroups):
     with kh.testing.CpuQuota(_name(), 0.5) as callers:
         results = kh.testing.run_workers(

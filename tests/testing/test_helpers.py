@@ -53,7 +53,6 @@ def _report():
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # the process harness lies below Keras
 def test_run_workers_sets_loopback_tf_config():
     results = kh.testing.run_workers(_report, 2, timeout=60)
     configs = [r.value for r in results]
@@ -64,14 +63,12 @@ def test_run_workers_sets_loopback_tf_config():
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # the process harness lies below Keras
 def test_run_workers_reports_failure_with_output():
     with pytest.raises(kh.testing.WorkerError, match="boom from a worker"):
         kh.testing.run_workers(_fail, 2, timeout=60)
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # the process harness lies below Keras
 def test_run_workers_kills_on_timeout():
     results = kh.testing.run_workers(_sleep_forever, 1, timeout=3, check=False)
     assert results[0].exit_code != 0
@@ -90,7 +87,6 @@ def _environment_and_flavour():
 
 
 @pytest.mark.slow
-@pytest.mark.one_flavour  # the process harness lies below Keras
 def test_run_workers_pass_the_callers_environment_now(monkeypatch):
     from keras_hetero import _compat
 
