@@ -279,7 +279,9 @@ def _run_killed(tmp_path, kind, faults, save, name="out"):
         # position); under tf-keras in CI `kh.data.shard` stands for them
         # (each kind's flavour-specific entry is tested in-process under
         # both flavours).
-        pytest.param(kind, marks=pytest.mark.both_flavours) if kind == "shard" else kind
+        pytest.param(kind, marks=pytest.mark.both_flavours)
+        if kind == "shard"
+        else kind
         for kind in sorted(KILLS)
     ],
 )

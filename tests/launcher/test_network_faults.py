@@ -221,7 +221,9 @@ def test_harness_cuts_restores_slows_and_cleans_up():
 
 
 # A cut, a report, a restart from the checkpoint and exactly-once weights.
-@pytest.mark.parametrize("hosts", [2, pytest.param(3, marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "hosts", [2, pytest.param(3, marks=pytest.mark.extended)]
+)
 def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(
     tmp_path, hosts
 ):
