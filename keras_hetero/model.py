@@ -15,6 +15,7 @@ from keras_hetero import _distribute
 from keras_hetero import precision as precision_lib
 from keras_hetero._compat import keras
 from keras_hetero.training import fitting
+from keras_hetero.training import loop
 from keras_hetero.training import loss_scale as loss_scale_lib
 from keras_hetero.training import low_communication
 from keras_hetero.training import options
@@ -272,9 +273,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         )
         return self.train_function
 
-    def _train_function_extras(self):
+    def _hetero_make_function(self, step_function):
         # Called by `_compat.Keras3TrainerOverrides` (Keras 3).
-        return step.train_function_extras(self)
+        return loop.make_function(self, step_function)
 
     def _hetero_variables(self):
         # Called by `_compat.saving`: the state a checkpoint must hold.

@@ -151,6 +151,9 @@ from keras_hetero._compat.training import (
     atomic_variable_updates as atomic_variable_updates,
 )
 from keras_hetero._compat.training import (
+    autoconvert_optionals as autoconvert_optionals,
+)
+from keras_hetero._compat.training import (
     distributed_variable as distributed_variable,
 )
 from keras_hetero._compat.training import (
@@ -180,6 +183,7 @@ from keras_hetero._compat.training import (
 from keras_hetero._compat.training import (
     optimizer_variables as optimizer_variables,
 )
+from keras_hetero._compat.training import set_element_spec as set_element_spec
 from keras_hetero._compat.training import (
     skip_optimizer_all_reduce as skip_optimizer_all_reduce,
 )

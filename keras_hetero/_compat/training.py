@@ -9,14 +9,12 @@ from tensorflow.python.eager import context as _context
 from keras_hetero._compat.epochs import adopt_epoch_iterator
 from keras_hetero._compat.epochs import assigns_without_reading
 from keras_hetero._compat.epochs import install_data_handlers
-from keras_hetero._compat.flavour import CONVERTS_OPTIONAL_INPUTS
 from keras_hetero._compat.flavour import EPOCH_ITERATOR_YIELDS_STEP_RANGE
 from keras_hetero._compat.flavour import IS_LEGACY
 from keras_hetero._compat.flavour import KERAS_VERSION
 from keras_hetero._compat.flavour import _loss_module
 from keras_hetero._compat.flavour import _TFOptimizer
 from keras_hetero._compat.flavour import keras
-from keras_hetero._compat.model import build_optimizer
 
 
 def unscaled_mean_loss(model, x, y, y_pred, sample_weight, rows, training):
@@ -297,146 +295,27 @@ class Keras3TrainerOverrides:
             super().reset_metrics()
 
     def _make_function(self, step_function):
-        # Keras 3.10-3.15 reduce step outputs with `reduce_per_replica(...,
-        # "auto")`, which under MultiWorkerMirroredStrategy calls
-        # `strategy.reduce("MEAN", v, axis=0)` on scalar logs and fails with
-        # "Invalid reduction dimension 0" (tensorflow#72388). HeteroModel's
-        # steps return logs that are already global and identical on every
-        # replica, so replica 0's copy is the answer; everything else is
-        # Keras' own function (tf.function, jit_compile, steps_per_execution).
-        # Under a strategy XLA compiles each replica's step (as tf-keras
-        # does), not the whole `strategy.run`: Keras 3.15 compiles the
-        # latter, which cannot reach variables on any device but the first
-        # ("Trying to access resource ... located in device CPU:1"), e.g.
-        # under OneDeviceStrategy("/cpu:1"). Without a strategy, Keras' own
-        # structure. XLA cannot lift variables created inside HeteroModel's
-        # step, so the optimizer's are created first.
-        strategy = self.distribute_strategy
-        jit = bool(self.jit_compile) and not self.run_eagerly
-        per_replica = jit and self._distribute_strategy is not None
-        replica_step = step_function
-        if jit and self.built:
-            build_optimizer(self)
-        if per_replica:
-            replica_step = tf.function(
-                step_function, reduce_retracing=True, jit_compile=True
-            )
+        # Keras 3.10-3.15 make their train, test and predict functions here
+        # (`keras/src/backend/tensorflow/trainer.py`); HeteroModel's own
+        # loop is `training.loop.make_function`, reached through the model.
+        return self._hetero_make_function(step_function)
 
-        # Tensors the model adds to the train function's outputs (read after
-        # the step, in the same call: no eager op per call), or None.
-        extras = None
-        if step_function == getattr(self, "train_step", None):
-            extras = getattr(self, "_train_function_extras", None)
 
-        # Not autograph-converted, as in Keras: the user's errors (say a
-        # metric name that does not exist) keep their own type.
-        @tf.autograph.experimental.do_not_convert
-        def one_step_on_data(data):
-            outputs = strategy.run(replica_step, args=(data,))
-            outputs = first_local_values(strategy, outputs)
-            if extras is not None and isinstance(outputs, dict):
-                outputs = {**outputs, **extras()}
-            return outputs
+def autoconvert_optionals(model, function):
+    """Keras 3.15's wrapper that turns optional inputs' None into empty
+    values before `function` (`Trainer._autoconvert_optionals`; only where
+    `CONVERTS_OPTIONAL_INPUTS`)."""
+    return model._autoconvert_optionals(function)
 
-        looped_step = one_step_on_data
-        if not self.run_eagerly:
-            one_step_on_data = tf.function(
-                one_step_on_data,
-                reduce_retracing=True,
-                jit_compile=jit and not per_replica,
-            )
-            if self._distribute_strategy is None:
-                looped_step = one_step_on_data
-        if CONVERTS_OPTIONAL_INPUTS:
-            one_step_on_data = self._autoconvert_optionals(one_step_on_data)
-            looped_step = self._autoconvert_optionals(looped_step)
-        steps_per_execution = int(self.steps_per_execution)
 
-        @tf.autograph.experimental.do_not_convert
-        def multi_step_on_iterator(iterator):
-            # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
-            # above and `looped_step`: run up to `steps_per_execution` steps
-            # while data lasts, never fetching a batch that the next call
-            # should get. Under a strategy the step is traced inline here:
-            # a nested tf.function around `strategy.run` (Keras' structure)
-            # or around the replica function (which MirroredStrategy wraps
-            # in one) called in this tf.cond inside tf.while_loop fails at
-            # run time with "You must feed a value for placeholder tensor
-            # 'while/cond/Placeholder'" (measured on TF 2.21, MirroredStrategy
-            # with 2 replicas; stock Keras 3.15 fails this way). The distributed
-            # Optional passed through the loop is fine.
-            if steps_per_execution == 1:
-                return tf.experimental.Optional.from_value(
-                    one_step_on_data(iterator.get_next())
-                )
-            empty_outputs = tf.experimental.Optional.empty(None)
+def set_element_spec(optional, spec):
+    """Sets a `tf.experimental.Optional`'s element spec in place.
 
-            def cond(step, optional_outputs, next_inputs):
-                return tf.logical_and(
-                    tf.less(step, steps_per_execution), next_inputs.has_value()
-                )
-
-            def body(step, optional_outputs, next_inputs):
-                def has_next():
-                    outputs = tf.experimental.Optional.from_value(
-                        looped_step(next_inputs.get_value())
-                    )
-                    empty_outputs._element_spec = outputs.element_spec
-                    return outputs
-
-                def no_has_next():
-                    optional_outputs._element_spec = empty_outputs._element_spec
-                    return optional_outputs
-
-                outputs = tf.cond(
-                    tf.logical_and(
-                        tf.less(step, steps_per_execution),
-                        next_inputs.has_value(),
-                    ),
-                    has_next,
-                    no_has_next,
-                )
-                return (
-                    step + 1,
-                    outputs,
-                    tf.cond(
-                        tf.less(step + 1, steps_per_execution),
-                        lambda: iterator.get_next_as_optional(),
-                        lambda: next_inputs,
-                    ),
-                )
-
-            _, outputs, _ = tf.while_loop(
-                cond,
-                body,
-                loop_vars=[
-                    tf.constant(0),
-                    empty_outputs,
-                    iterator.get_next_as_optional(),
-                ],
-            )
-            outputs._element_spec = empty_outputs.element_spec
-            return outputs
-
-        if not self.run_eagerly:
-            multi_step_on_iterator = tf.function(
-                multi_step_on_iterator, reduce_retracing=True
-            )
-
-        def function(iterator):
-            if isinstance(
-                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-            ):
-                outputs = multi_step_on_iterator(iterator)
-                if not outputs.has_value():
-                    raise StopIteration
-                return outputs.get_value()
-            outputs = None
-            for _, data in zip(range(steps_per_execution), iterator):
-                outputs = one_step_on_data(data)
-            return outputs
-
-        return function
+    Keras 3.15's loop does the same: an empty Optional made before the
+    loop takes the spec of the outputs traced inside it, so both branches
+    of its `tf.cond` agree (`keras/src/backend/tensorflow/trainer.py`,
+    `multi_step_on_iterator`)."""
+    optional._element_spec = spec
 
 
 def first_local_values(strategy, structure):

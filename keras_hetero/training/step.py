@@ -326,7 +326,7 @@ def timed_train_function(model, function):
 
 def train_function_extras(model):
     """Outputs the train function adds after the step (Keras 3,
-    `_compat.Keras3TrainerOverrides`): the telemetry totals, read in the
+    `training.loop`): the telemetry totals, read in the
     same call instead of by an eager op after it. Not under
     low-communication training, whose synchronisation after the call
     records more."""
