@@ -16,10 +16,10 @@ non-zero status, the others are stopped (SIGTERM, then SIGKILL after
 `grace_seconds`) and the group starts again on new ports (the same ones
 with `--worker-ports`), up to `max_restarts` times: with the same number
 of workers, or, with `min_workers`, with the survivors (but not fewer
-than `min_workers`). The
-survivors are those the others' hang reports do not name: after a cut
-link, every worker exits and the one the others name stays out (its host
-too, with `hosts=`); without reports, the group keeps its first workers.
+than `min_workers`). The survivors are those the others' hang reports do
+not name: after a cut link, every worker exits and the one the others
+name stays out (its host too, with `hosts=`); without reports, the group
+keeps its first workers.
 Training continues where it was if the script uses
 `kh.callbacks.ElasticCheckpoint`. Ctrl-C (SIGINT) or SIGTERM to the launcher
 sends SIGTERM to every worker (ElasticCheckpoint saves and stops), waits
@@ -355,8 +355,8 @@ class _Group:
                     count, self.port_range, self.address
                 )
             )
-            host = f"[{self.address}]" if ":" in self.address else self.address
-            addresses = [f"{host}:{port}" for port in ports]
+            ip = f"[{self.address}]" if ":" in self.address else self.address
+            addresses = [f"{ip}:{port}" for port in ports]
             where = f"on ports {ports}"
             if self.address != "127.0.0.1":
                 where = f"on {self.address} ports {ports}"
