@@ -4,10 +4,11 @@
 `launch_host` (in `hosts.py`) is one host's part of a multi-host job
 (`--nnodes`), whose rank-0 launcher serves the rendezvous
 (`rendezvous.py`); `policy.py` holds its decisions as pure functions and
-`devices.py` finds each host's GPUs for `--workers-per-host auto`.
-`cli.py` is the command line (`keras-hetero run`, `python -m
-keras_hetero.run`); `ports.py` finds free ports (also for
-`kh.testing.run_workers`).
+`devices.py` finds each host's GPUs and splits them among its workers
+(`--workers`, `--workers-per-host`). `cli.py` is the command line
+(`keras-hetero run`, `python -m keras_hetero.run`); `ports.py` finds free
+ports (also for `kh.testing.run_workers`), or free ports of a range
+(`--worker-ports`); `addresses.py` checks `--advertise-address`.
 """
 
 from keras_hetero._environment import HANG_REPORT_ENV as HANG_REPORT_ENV

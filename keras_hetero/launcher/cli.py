@@ -67,6 +67,11 @@ machines, 10.0.0.1 being the first one's address:
     keras-hetero run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29400 \\
         --workers-per-host auto train.py
 
+Behind a firewall, or to use a fast network: --worker-ports 29500-29507
+(the ports the workers listen on, the same after a restart) and
+--advertise-address ib0 (the interface, or address, they publish), with
+--workers or --nnodes.
+
 See docs/launcher.md.
 """
 )
@@ -77,7 +82,8 @@ def _add_run_arguments(parser):
         "--workers",
         type=int,
         default=None,
-        help="workers on this machine (one host; not with --nnodes)",
+        help="workers on this machine (one host; not with --nnodes); "
+        "they split its GPUs evenly (CUDA_VISIBLE_DEVICES)",
     )
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument(
@@ -87,6 +93,33 @@ def _add_run_arguments(parser):
         help="with --workers: restart with the survivors, down to M",
     )
     parser.add_argument("--grace-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--worker-ports",
+        default=None,
+        metavar="A-B",
+        help="the ports this host's workers listen on, for a firewall that "
+        "opens only those: the first free ones of the range, the same "
+        "again after a restart (default: any free ports, new on each "
+        "attempt)",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        default=None,
+        metavar="ADDRESS|INTERFACE",
+        help="the address this host's workers publish in TF_CONFIG: an IP "
+        "address of this host or an interface name such as ib0 (default: "
+        "127.0.0.1 with --workers; with --nnodes the address that reached "
+        "the rendezvous)",
+    )
+    parser.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        metavar="N",
+        help="assume N GPUs on this host instead of asking nvidia-smi (0: "
+        "leave CUDA_VISIBLE_DEVICES alone, every worker sees every GPU; "
+        "for tests and odd drivers)",
+    )
     several = parser.add_argument_group(
         "several hosts (the same command on each)"
     )
@@ -143,14 +176,6 @@ def _add_run_arguments(parser):
         metavar="K|auto",
         help="workers on this host: K (sharing its GPUs evenly) or auto "
         "(one per GPU; one without GPUs); default 1",
-    )
-    several.add_argument(
-        "--devices-per-host",
-        type=int,
-        default=None,
-        metavar="N",
-        help="assume N GPUs on this host instead of asking nvidia-smi "
-        "(0: none; for tests and odd drivers)",
     )
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -224,7 +249,6 @@ _HOST_FLAGS = (
     "rdzv_bind",
     "rdzv_token_file",
     "workers_per_host",
-    "devices_per_host",
 )
 
 
@@ -239,6 +263,9 @@ def _launch_from_arguments(args):
                 max_restarts=args.max_restarts,
                 min_workers=args.min_workers,
                 grace_seconds=args.grace_seconds,
+                worker_ports=args.worker_ports,
+                advertise_address=args.advertise_address,
+                devices_per_host=args.devices_per_host,
             )
         else:
             _check_multi_host(args)
@@ -257,6 +284,8 @@ def _launch_from_arguments(args):
                 devices_per_host=args.devices_per_host,
                 max_restarts=args.max_restarts,
                 grace_seconds=args.grace_seconds,
+                worker_ports=args.worker_ports,
+                advertise_address=args.advertise_address,
             )
     except ValueError as error:
         print(f"keras-hetero: {error}", file=sys.stderr)

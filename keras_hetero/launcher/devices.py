@@ -3,7 +3,8 @@ TensorFlow (`nvidia-smi -L`, else `/proc/driver/nvidia/gpus`).
 
 `--workers-per-host auto` starts one worker per GPU, each with
 `CUDA_VISIBLE_DEVICES` set to its GPU, and one worker on a host without
-GPUs; an integer K splits the GPUs evenly among K workers.
+GPUs; an integer K (and `--workers K` on one machine) splits the GPUs
+evenly among K workers.
 """
 
 import os
@@ -11,14 +12,18 @@ import re
 import shutil
 import subprocess
 
+from keras_hetero._checks import check_int
+
 _NVIDIA_PROC = "/proc/driver/nvidia/gpus"
 
 
-def parse_workers_per_host(value):
+def parse_workers_per_host(value, name="workers_per_host"):
     """`--workers-per-host`: a positive integer or `"auto"`.
 
     Args:
         value: An int, or a string of one, or `"auto"`.
+        name: The argument to name in errors. Defaults to
+            `"workers_per_host"`.
 
     Returns:
         The int, or `"auto"`.
@@ -37,9 +42,8 @@ def parse_workers_per_host(value):
     if not isinstance(value, bool) and text.isdigit() and int(text) >= 1:
         return int(text)
     raise ValueError(
-        "Invalid value for argument `workers_per_host`. Received: "
-        f"workers_per_host={value!r}. Expected an integer >= 1 or 'auto' "
-        "(one worker per GPU)."
+        f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+        "Expected an integer >= 1 or 'auto' (one worker per GPU)."
     )
 
 
@@ -88,6 +92,19 @@ def discover_gpus(environ=None, run=subprocess.run):
         return []
 
 
+def host_gpus(devices_per_host=None, environ=None):
+    """This host's GPUs: `discover_gpus(environ)`, or, given
+    `devices_per_host` N, N GPUs numbered 0 to N-1 (0: none).
+
+    Raises:
+        ValueError: If `devices_per_host` is not None or an int >= 0.
+    """
+    if devices_per_host is None:
+        return discover_gpus(environ)
+    count = check_int("devices_per_host", devices_per_host, 0)
+    return [str(i) for i in range(count)]
+
+
 def parse_nvidia_smi(text):
     """The GPU indices in `nvidia-smi -L` output (`GPU 0: ... (UUID: ...)`
     lines; MIG device lines are not separate GPUs here).
@@ -101,7 +118,7 @@ def parse_nvidia_smi(text):
     return re.findall(r"^GPU (\d+):", text, re.M)
 
 
-def worker_devices(workers_per_host, gpus):
+def worker_devices(workers_per_host, gpus, name="workers_per_host"):
     """Each worker's `CUDA_VISIBLE_DEVICES` on a host with `gpus`.
 
     `"auto"`: one worker per GPU, or one worker (unset) without GPUs; so
@@ -112,6 +129,8 @@ def worker_devices(workers_per_host, gpus):
     Args:
         workers_per_host: An int >= 1 or `"auto"`.
         gpus: The host's GPUs (`discover_gpus`).
+        name: The argument to name in errors. Defaults to
+            `"workers_per_host"`.
 
     Returns:
         A list with one entry per worker: a `CUDA_VISIBLE_DEVICES` string,
@@ -127,7 +146,7 @@ def worker_devices(workers_per_host, gpus):
     >>> worker_devices(2, ["0", "1", "2", "3"])
     ['0,1', '2,3']
     """
-    workers_per_host = parse_workers_per_host(workers_per_host)
+    workers_per_host = parse_workers_per_host(workers_per_host, name)
     gpus = [str(g) for g in gpus]
     if workers_per_host == "auto":
         return list(gpus) or [None]
@@ -135,10 +154,14 @@ def worker_devices(workers_per_host, gpus):
         return [None] * workers_per_host
     if len(gpus) % workers_per_host:
         raise ValueError(
-            "Invalid value for argument `workers_per_host`. Received: "
-            f"workers_per_host={workers_per_host!r} on a host with "
-            f"{len(gpus)} GPU(s) ({','.join(gpus)}). Expected a divisor of "
-            "the GPU count (every worker gets as many), or 'auto'."
+            f"Invalid value for argument `{name}`. Received: {name}="
+            f"{workers_per_host!r} on a host with {len(gpus)} GPU(s) "
+            f"({','.join(gpus)}). Expected a divisor of the GPU count "
+            "(every worker gets as many)"
+            + (", or 'auto'" if name == "workers_per_host" else "")
+            + "; or devices_per_host=0 "
+            "(--devices-per-host 0) to leave CUDA_VISIBLE_DEVICES alone "
+            "and let every worker see every GPU."
         )
     each = len(gpus) // workers_per_host
     return [

@@ -1,7 +1,10 @@
 """`keras-hetero run`: start N local workers, restart the group on failure.
 
 Each worker is `python SCRIPT ARGS` with `TF_CONFIG` naming a cluster of
-`workers` tasks on free 127.0.0.1 ports, and these variables:
+`workers` tasks on free 127.0.0.1 ports (or on `--advertise-address`, with
+ports from `--worker-ports A-B`), `CUDA_VISIBLE_DEVICES` set to its share
+of the machine's GPUs (N workers split them evenly, as `--workers-per-host
+N` does), and these variables:
 
 - `KERAS_HETERO_RESTART`: how many times the group was restarted (0 first);
 - `KERAS_HETERO_NUM_WORKERS`: workers in this attempt;
@@ -10,12 +13,13 @@ Each worker is `python SCRIPT ARGS` with `TF_CONFIG` naming a cluster of
 
 Every output line is prefixed with `[worker i]`. When a worker exits with a
 non-zero status, the others are stopped (SIGTERM, then SIGKILL after
-`grace_seconds`) and the group starts again on new ports, up to
-`max_restarts` times: with the same number of workers, or, with
-`min_workers`, with the survivors (but not fewer than `min_workers`). The
-survivors are those the others' hang reports do not name: after a cut
-link, every worker exits and the one the others name stays out (its host
-too, with `hosts=`); without reports, the group keeps its first workers.
+`grace_seconds`) and the group starts again on new ports (the same ones
+with `--worker-ports`), up to `max_restarts` times: with the same number
+of workers, or, with `min_workers`, with the survivors (but not fewer
+than `min_workers`). The survivors are those the others' hang reports do
+not name: after a cut link, every worker exits and the one the others
+name stays out (its host too, with `hosts=`); without reports, the group
+keeps its first workers.
 Training continues where it was if the script uses
 `kh.callbacks.ElasticCheckpoint`. Ctrl-C (SIGINT) or SIGTERM to the launcher
 sends SIGTERM to every worker (ElasticCheckpoint saves and stops), waits
@@ -36,6 +40,9 @@ from keras_hetero._checks import check_int
 from keras_hetero._environment import HANG_REPORT_ENV
 from keras_hetero._environment import NUM_WORKERS_ENV
 from keras_hetero._environment import RESTART_ENV
+from keras_hetero.launcher import addresses
+from keras_hetero.launcher import devices
+from keras_hetero.launcher import ports as port_ranges
 from keras_hetero.launcher.ports import free_ports
 
 
@@ -87,8 +94,16 @@ def launch(
     hosts=None,
     backoff_seconds=0.0,
     max_backoff_seconds=60.0,
+    worker_ports=None,
+    advertise_address=None,
+    devices_per_host=None,
 ):
     """Runs `command` as `workers` local TF workers, restarting on failure.
+
+    The workers split this machine's GPUs evenly (`CUDA_VISIBLE_DEVICES`,
+    consecutive GPUs; on a machine without GPUs the variable is left as
+    it is). A restart with fewer workers (`min_workers`) keeps each
+    worker's GPUs.
 
     Args:
         command: The worker command, a list such as
@@ -121,6 +136,18 @@ def launch(
             `max_backoff_seconds`. Defaults to `0.0` (restart at once).
         max_backoff_seconds: The longest wait between restarts. Defaults to
             `60.0`.
+        worker_ports: A port range `"A-B"` (or a `range`) the workers
+            listen on: worker i takes the i-th port of the range free at
+            the start of each attempt, so a restarted group gets the same
+            ports back. For firewalls that open only those. Defaults to
+            None (any free ports, new ones on each attempt).
+        advertise_address: The address in `TF_CONFIG`: an IP address of
+            this machine or an interface name (e.g. `"ib0"`, its IPv4
+            address). Defaults to None (`127.0.0.1`).
+        devices_per_host: Assume this many GPUs (numbered from 0) instead
+            of discovering them (`nvidia-smi -L`, or the launcher's own
+            `CUDA_VISIBLE_DEVICES`); 0 leaves `CUDA_VISIBLE_DEVICES` alone,
+            so every worker sees every GPU. Defaults to None (discover).
 
     Returns:
         A `LaunchResult`.
@@ -128,8 +155,12 @@ def launch(
     Raises:
         ValueError: For `workers` < 1, `max_restarts` < 0, `min_workers`
             outside [1, workers], an empty `command`, a negative
-            `backoff_seconds` or `max_backoff_seconds`, or `hosts` without
-            `addresses` and `command` methods.
+            `backoff_seconds` or `max_backoff_seconds`, `hosts` without
+            `addresses` and `command` methods (or with `worker_ports`,
+            `advertise_address` or `devices_per_host`), a GPU count that
+            `workers` does not divide, a `worker_ports` range with fewer
+            ports than `workers` (or fewer free), or an `advertise_address`
+            that is not this machine's.
 
     Example:
 
@@ -167,8 +198,37 @@ def launch(
             "`addresses(count, restart)` and `command(index, command)` "
             "methods (e.g. kh.testing.NetworkHosts)."
         )
+    if hosts is None:
+        environ = {**os.environ, **(env or {})}
+        slots = devices.worker_devices(
+            workers,
+            devices.host_gpus(devices_per_host, environ),
+            name="workers",
+        )
+        address = (
+            "127.0.0.1"
+            if advertise_address is None
+            else addresses.advertise_address(advertise_address)
+        )
+        if worker_ports is not None:
+            worker_ports = port_ranges.parse_port_range(worker_ports)
+            port_ranges.check_port_range(worker_ports, workers)
+    else:
+        local = {
+            "worker_ports": worker_ports,
+            "advertise_address": advertise_address,
+            "devices_per_host": devices_per_host,
+        }
+        for name, value in local.items():
+            if value is not None:
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r} with hosts={hosts!r}. Expected None: "
+                    "the `hosts` object gives the workers' addresses."
+                )
+        slots, address = [None] * workers, None
     output = output or sys.stdout
-    group = _Group(output, grace_seconds, hosts)
+    group = _Group(output, grace_seconds, hosts, address, worker_ports, slots)
     previous = (
         {
             number: signal.signal(number, group.interrupt)
@@ -251,9 +311,19 @@ def launch(
 
 
 class _Group:
-    def __init__(self, output, grace_seconds, hosts=None):
+    def __init__(
+        self,
+        output,
+        grace_seconds,
+        hosts=None,
+        address="127.0.0.1",
+        port_range=None,
+        slots=None,
+    ):
         self.output = output
         self.hosts = hosts
+        self.address, self.port_range = address, port_range
+        self.slots = slots  # each worker's CUDA_VISIBLE_DEVICES, or None
         self.grace_seconds = grace_seconds
         self.interrupted = None
         self.processes = []
@@ -278,17 +348,31 @@ class _Group:
     def run_attempt(self, command, live, restart, extra_env):
         count = len(live)
         if self.hosts is None:
-            ports = free_ports(count)
-            addresses = [f"127.0.0.1:{port}" for port in ports]
+            ports = (
+                free_ports(count, self.address)
+                if self.port_range is None
+                else port_ranges.ports_in_range(
+                    count, self.port_range, self.address
+                )
+            )
+            ip = f"[{self.address}]" if ":" in self.address else self.address
+            addresses = [f"{ip}:{port}" for port in ports]
             where = f"on ports {ports}"
+            if self.address != "127.0.0.1":
+                where = f"on {self.address} ports {ports}"
         else:
             addresses = list(_addresses(self.hosts, live, restart))
             where = f"at {addresses}"
+        if self.slots and any(s is not None for s in self.slots):
+            gpus = [self.slots[host] for host in live]
+            where += f" (CUDA_VISIBLE_DEVICES {gpus})"
         reports = tempfile.mkdtemp(prefix="keras_hetero_hang_")
         workers = []
         for index in range(count):
             env = worker_env(extra_env, addresses, index, restart)
             env[HANG_REPORT_ENV] = os.path.join(reports, f"worker{index}.json")
+            if self.slots and self.slots[live[index]] is not None:
+                env["CUDA_VISIBLE_DEVICES"] = self.slots[live[index]]
             argv = list(command)
             if self.hosts is not None:
                 argv = list(self.hosts.command(live[index], argv))

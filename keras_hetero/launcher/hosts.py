@@ -20,9 +20,11 @@ import threading
 import time
 
 from keras_hetero._checks import check_int
+from keras_hetero.launcher import addresses
 from keras_hetero.launcher import devices as device_lists
 from keras_hetero.launcher import group
 from keras_hetero.launcher import policy
+from keras_hetero.launcher import ports as port_ranges
 from keras_hetero.launcher import rendezvous
 from keras_hetero.launcher.group import Attempt
 from keras_hetero.launcher.group import LaunchResult
@@ -46,6 +48,8 @@ def launch_host(
     grace_seconds=30.0,
     env=None,
     output=None,
+    worker_ports=None,
+    advertise_address=None,
 ):
     """Runs this host's part of a multi-host job (`keras-hetero run
     --nnodes ...`).
@@ -96,15 +100,29 @@ def launch_host(
         env: Extra environment variables for the workers. Defaults to None.
         output: A text stream for the prefixed worker output and the
             launcher's lines. Defaults to `sys.stdout`.
+        worker_ports: A port range `"A-B"` (or a `range`) this host's
+            workers listen on: for each attempt they take the first ports
+            of the range free on this host, so restarted workers get the
+            same ports back. Hosts that share an address need disjoint
+            ranges. Defaults to None (any free ports, new ones on each
+            attempt).
+        advertise_address: The address this host publishes for its
+            workers in `TF_CONFIG`: an IP address of this host or an
+            interface name (its IPv4 address), e.g. the fast network's.
+            Defaults to None (the address this host reached the rendezvous
+            from).
 
     Returns:
         A `LaunchResult`: the job's exit code (the same on every host) and
         the attempts this host saw end.
 
     Raises:
-        ValueError: For a bad argument (named), a port already in use, or
-            a job the rendezvous refused (another script, other arguments
-            or versions than rank 0's, a wrong token).
+        ValueError: For a bad argument (named): e.g. a `worker_ports` range
+            smaller than this host's workers, an `advertise_address` not of
+            this host, a GPU count `workers_per_host` does not divide; a
+            port already in use, or a job the rendezvous refused (another
+            script, other arguments or versions than rank 0's, a wrong
+            token).
         TimeoutError: If too few hosts joined within `rdzv_timeout` (the
             message names the missing ranks), or this host could not reach
             the rendezvous.
@@ -136,16 +154,17 @@ def launch_host(
         grace_seconds=grace_seconds,
     )
     check_int("max_restarts", max_restarts, 0)
-    if devices_per_host is None:
-        gpus = device_lists.discover_gpus()
-    else:
-        count = check_int("devices_per_host", devices_per_host, 0)
-        gpus = [str(i) for i in range(count)]
-    slots = device_lists.worker_devices(workers_per_host, gpus)
-    token = rendezvous.read_token(rdzv_token)
-    output = output or sys.stdout
     environ = dict(os.environ)
     environ.update(env or {})
+    gpus = device_lists.host_gpus(devices_per_host, environ)
+    slots = device_lists.worker_devices(workers_per_host, gpus)
+    if worker_ports is not None:
+        worker_ports = port_ranges.parse_port_range(worker_ports)
+        port_ranges.check_port_range(worker_ports, len(slots))
+    if advertise_address is not None:
+        advertise_address = addresses.advertise_address(advertise_address)
+    token = rendezvous.read_token(rdzv_token)
+    output = output or sys.stdout
     job = job_description(command, slots, environ)
     server = None
     if node_rank == 0:
@@ -187,6 +206,8 @@ def launch_host(
         env or {},
         output,
         server,
+        advertise_address,
+        worker_ports,
     )
     previous = (
         {
@@ -268,6 +289,8 @@ class _Agent:
         env,
         output,
         server,
+        advertise_address=None,
+        port_range=None,
     ):
         self.command, self.rank = list(command), rank
         self.endpoint, self.token = endpoint, token
@@ -277,7 +300,8 @@ class _Agent:
         self.where = "{}:{}".format(*endpoint)
         self.attempts = []
         self.interrupted = None
-        self.address = None
+        self.address = self.advertise_address = advertise_address
+        self.port_range = port_range
         self._round = None  # the round whose workers run here
         self._reported_failure = False
         self._specs = []
@@ -365,7 +389,10 @@ class _Agent:
         try:
             sock.settimeout(rendezvous.HANDSHAKE_SECONDS)
             rendezvous.client_handshake(channel, self.token)
-            self.address = sock.getsockname()[0]
+            # Workers publish the chosen address, else the one that
+            # reached the rendezvous (other hosts likely reach it too).
+            reached_from = sock.getsockname()[0]
+            self.address = self.advertise_address or reached_from
             channel.send(
                 {
                     "type": "join",
@@ -390,8 +417,13 @@ class _Agent:
             _say(
                 self.output,
                 f"[launcher] host rank {self.rank} joined the rendezvous at "
-                f"{self.where} from {self.address} with {len(self.slots)} "
-                f"worker(s){devices}",
+                f"{self.where} from {reached_from}"
+                + (
+                    f" (workers at {self.address})"
+                    if self.address != reached_from
+                    else ""
+                )
+                + f" with {len(self.slots)} worker(s){devices}",
             )
             return channel
         channel.close()
@@ -462,7 +494,13 @@ class _Agent:
     def _handle(self, channel, message):
         kind = message["type"]
         if kind == "prepare":
-            ports = free_ports(len(self.slots), self.address)
+            ports = (
+                free_ports(len(self.slots), self.address)
+                if self.port_range is None
+                else port_ranges.ports_in_range(
+                    len(self.slots), self.port_range, self.address
+                )
+            )
             channel.send(
                 {"type": "ports", "round": message["round"], "ports": ports}
             )
