@@ -2,7 +2,7 @@
 
 scikit-learn ships the UCI handwritten digits (1797 images of 8x8 pixels,
 10 classes) inside the package, so the examples need no download:
-`pip install "keras-hetero[examples]"`.
+`pip install ".[examples]"` in this checkout.
 """
 
 import numpy as np

@@ -11,7 +11,7 @@ worker per `ScalingConfig` worker and writes `TF_CONFIG`, so
 With `--simulate-slow`, worker 1's replica is made SIMULATED 4x slower
 (`kh.testing.SimulatedSpeed`), and the shares move rows to worker 0.
 
-Run (needs `pip install "keras-hetero[ray]"`):
+Run (needs the `ray` extra, `pip install ".[ray]"` here):
 
     python examples/ray_train.py                     # local Ray, 2 workers
     python examples/ray_train.py --workers 1-4       # elastic: 1 to 4

@@ -6,7 +6,7 @@ worker reads all the files with `kh.data.from_arrow`. An ElasticCheckpoint
 resumes a stage that `kh.spark.run` starts again after a failure
 (`--max-restarts`); the workers' loss histories come back to the driver.
 
-Run (needs `pip install "keras-hetero[spark]"` and Java):
+Run (needs the `spark` extra, `pip install ".[spark]"` here, and Java):
 
     python examples/spark_train.py                   # local Spark, 2 workers
     spark-submit --master yarn ... examples/spark_train.py --master "" \\

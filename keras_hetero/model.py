@@ -86,7 +86,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             layers' gradients. The telemetry and metrics ride in the last
             bucket; the update is the same. A model of at most
             `bucket_bytes` stays one collective. Measured on CPU workers
-            (docs/benchmarks.md, "Bucketed all-reduce"). Not with
+            (benchmarks/RESULTS.md, "Bucketed all-reduce"). Not with
             `low_communication` nor `communication.bytes_per_pack`.
             Defaults to `None` (one collective per step).
         **kwargs: What `keras.Model` takes.

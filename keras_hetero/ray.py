@@ -13,7 +13,8 @@ unchanged:
   `ray.train.get_checkpoint()`, so a restarted or resized group continues at
   the exact next step, every example once per epoch.
 
-Requires `pip install "keras-hetero[ray]"`; tested with Ray 2.60 (Train v2).
+Requires Ray Train (the `ray` extra: `pip install ".[ray]"` in a checkout);
+tested with Ray 2.60 (Train v2).
 """
 
 import dataclasses
@@ -35,8 +36,8 @@ try:
 except ImportError as error:
     raise ImportError(
         "keras_hetero.ray needs Ray Train, which is not installed (or not "
-        f"importable: {error}). Install the extra with: "
-        'pip install "keras-hetero[ray]"'
+        f"importable: {error}). Install the tested version (keras-hetero's "
+        '"ray" extra) with: pip install "ray[train]==2.60.0"'
     ) from error
 
 from keras_hetero import _compat

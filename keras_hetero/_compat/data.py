@@ -232,7 +232,7 @@ def iterators_without_autotuning():
 
     For the test suite only (tests/conftest.py), not for users' pipelines.
     Destroying an iterator joins that thread, which can first sleep out an
-    optimization period of up to 60 s (docs/benchmarks.md, "Input iterator
+    optimization period of up to 60 s (benchmarks/RESULTS.md, "Input iterator
     teardown"; no upstream issue found). A fit stopped mid-epoch leaves its
     iterator to the garbage collector, so the wait lands in some later test
     or at exit: in CI, tests of a few seconds took 40-140 s at random.

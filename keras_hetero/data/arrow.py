@@ -15,7 +15,9 @@ import tensorflow as tf
 
 from keras_hetero._checks import check_int
 
-_INSTALL = 'pip install "keras-hetero[arrow]"'
+# What the `arrow` extra installs: true however keras-hetero was installed
+# (from a checkout or a wheel; it is not on a package registry yet).
+_INSTALL = 'pip install "pyarrow>=15"'
 _MIN_PYARROW = 15
 # Read buffer per Parquet column. Without it (pyarrow's default pre-buffering)
 # a whole file's column chunks are read ahead into memory.

@@ -418,7 +418,7 @@ class HeteroDataset:
         Other options (threading, optimization, ...) apply to the pipeline,
         except `autotune.enabled`: the pipeline runs without tf.data's
         autotuning thread, whose shutdown stalls the end of a fit (see
-        docs/benchmarks.md, "Input iterator teardown"), so `AUTOTUNE`
+        benchmarks/RESULTS.md, "Input iterator teardown"), so `AUTOTUNE`
         parallelism takes TF's default, the core count.
 
         Args:
@@ -565,7 +565,7 @@ class HeteroDataset:
         batches = tf.data.Dataset.range(1).flat_map(batches_of_pass)
         # No prefetch here unless asked: one global batch prefetched before
         # the split by default measured either sign, -10.7 to +3.2 points
-        # of the live step with 3 replicas (docs/benchmarks.md, "The live
+        # of the live step with 3 replicas (benchmarks/RESULTS.md, "The live
         # input's part, separated").
         if self._prefetch:
             batches = batches.prefetch(self._prefetch)
@@ -658,7 +658,7 @@ def _pipeline_options():
     # thread, which at random sleeps out its optimization period first,
     # a period that doubles up to 60 s while the iterator lives (TF 2.21;
     # stock pipelines too; no upstream issue found): tests stalled for
-    # minutes (docs/benchmarks.md, "Input iterator teardown"). `AUTOTUNE`
+    # minutes (benchmarks/RESULTS.md, "Input iterator teardown"). `AUTOTUNE`
     # parallelism in `map_fn` or the examples' pipeline then takes TF's
     # default, the core count.
     options.autotune.enabled = False

@@ -2,7 +2,9 @@
 
 import numpy as np
 
-_EXTRA = 'pip install "keras-hetero[report]"'
+# What the `report` extra installs: true however keras-hetero was installed
+# (from a checkout or a wheel; it is not on a package registry yet).
+_EXTRA = 'pip install "matplotlib>=3.8"'
 
 
 def plot(records):
@@ -127,6 +129,6 @@ def matplotlib_classes():
     except ImportError as error:
         raise ImportError(
             "kh.report draws its figure with matplotlib, which is not "
-            f"installed. Install the report extra: {_EXTRA}"
+            f"installed. Install it (the report extra) with: {_EXTRA}"
         ) from error
     return Figure, FigureCanvasAgg

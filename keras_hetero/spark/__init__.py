@@ -9,8 +9,8 @@ Spark this reaches whatever cluster Spark runs on (standalone, YARN,
 Kubernetes). A failed stage is run again (`max_restarts`), and
 `kh.callbacks.ElasticCheckpoint` resumes it where it stopped.
 
-Requires `pip install "keras-hetero[spark]"` (pyspark) and Java; tested with
-pyspark 4.3 on a local Spark (docs/spark.md).
+Requires pyspark (the `spark` extra: `pip install ".[spark]"` in a checkout)
+and Java; tested with pyspark 4.3 on a local Spark (docs/spark.md).
 """
 
 try:
@@ -18,8 +18,8 @@ try:
 except ImportError as error:
     raise ImportError(
         "keras_hetero.spark needs pyspark, which is not installed (or not "
-        f"importable: {error}). Install the extra with: "
-        'pip install "keras-hetero[spark]"'
+        f"importable: {error}). Install it (keras-hetero's "
+        '"spark" extra) with: pip install "pyspark>=3.5,<5"'
     ) from error
 
 from keras_hetero.spark._driver import Result

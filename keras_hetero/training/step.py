@@ -141,7 +141,7 @@ def train_step(model, data):
     # reached the collective, and the update's merge_call takes the control
     # dependencies of all replicas (each device's update then waited for
     # every replica's copy, R * (R - 1) cross-device edges per step;
-    # docs/benchmarks.md, "Fewer cross-device edges"). An XLA-compiled step
+    # benchmarks/RESULTS.md, "fewer cross-device edges"). An XLA-compiled step
     # keeps its own.
     first = _distribute.is_first_local_replica()
     waits_for = (

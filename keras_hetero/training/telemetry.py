@@ -348,7 +348,7 @@ class Telemetry(TelemetrySource):
         ):
             # Every replica has the same gathered sums and a read takes
             # the first local copy: the other replicas' additions were ops
-            # for nothing (docs/benchmarks.md, "Fewer cross-device edges").
+            # for nothing (benchmarks/RESULTS.md, "fewer cross-device edges").
             return
         counts = (
             tf.ones([2], tf.float64)

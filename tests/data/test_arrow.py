@@ -400,7 +400,7 @@ def test_bad_columns_are_named(tmp_path):
 def test_without_pyarrow_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     with pytest.raises(
-        ImportError, match=re.escape('pip install "keras-hetero[arrow]"')
+        ImportError, match=re.escape('pip install "pyarrow>=15"')
     ):
         kh.data.from_arrow("data.parquet")
 
@@ -446,7 +446,7 @@ def test_keras_hetero_works_without_pyarrow():
         "except ImportError as error:\n"
         "    print(json.dumps(str(error)))\n"
     )
-    assert 'pip install "keras-hetero[arrow]"' in message
+    assert 'pip install "pyarrow>=15"' in message
 
 
 _MEMORY_PROBE = """

@@ -455,8 +455,10 @@ def test_settings_are_one_immutable_definition():
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     ]
     assert tuple(keyword_only) == options.NAMES
+    # cleandoc: Python 3.13 strips a docstring's indentation when compiling.
+    docstring = inspect.cleandoc(kh.HeteroModel.__doc__)
     for name in options.NAMES:
-        assert f"        {name}:" in kh.HeteroModel.__doc__, name
+        assert f"\n    {name}:" in docstring, name
         default = inspect.signature(kh.HeteroModel.__init__).parameters[name]
         assert default.default == getattr(options.Settings(), name)
     model = kh.HeteroModel(*helpers.layers(), accumulation_steps=3)

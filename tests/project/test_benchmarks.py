@@ -1,13 +1,16 @@
 """Every benchmark script imports (a moved module fails here, not when
-someone next runs the benchmark) and has a `--smoke` mode. The smoke runs
-themselves are `make bench-smoke`'s (CI runs it once, after the suite)."""
+someone next runs the benchmark) and has a `--smoke` mode, and `make bench`
+runs every script behind a table in the docs. The smoke runs themselves are
+`make bench-smoke`'s (CI runs it once, after the suite)."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
 
 # In one process: each script's `main` with `--help`, which prints the
 # options and exits before the script measures anything.
@@ -45,3 +48,17 @@ def test_every_benchmark_script_has_a_smoke_mode():
         if line.startswith("help of ")
     }
     assert found == {name: "True" for name in scripts}, result.stdout
+
+
+def test_make_bench_runs_every_script_behind_a_docs_table():
+    pages = "".join(
+        (ROOT / "docs" / page).read_text()
+        for page in ("benchmarks.md", "arrow.md")
+    )
+    in_docs = set(re.findall(r"python\s+benchmarks/(\w+)\.py", pages))
+    makefile = (ROOT / "Makefile").read_text()
+    runs = makefile[makefile.index("BENCH_RUNS :=") :]
+    in_make = set(re.findall(r'"(\w+)\.py', runs[: runs.index("\n\n")]))
+    assert "real_devices" in in_docs, in_docs
+    assert not in_docs - in_make, f"add to BENCH_RUNS: {in_docs - in_make}"
+    assert not in_make - in_docs, f"no docs table: {in_make - in_docs}"

@@ -117,3 +117,28 @@ def test_keras_style_examples_become_code_blocks():
     )
     plain = "Summary.\n\nArgs:\n    x: A number.\n"
     assert module.indent_examples(plain) == plain
+
+
+def test_readme_links_every_page():
+    linked = set(
+        re.findall(r"\]\(docs/([\w-]+\.md)", (ROOT / "README.md").read_text())
+    )
+    pages = {page.name for page in (ROOT / "docs").glob("*.md")}
+    assert not pages - linked, f"link these from README.md: {pages - linked}"
+
+
+def test_install_lines_need_no_registry_release():
+    # keras-hetero is not on a package registry yet: a user installs it from
+    # a checkout or a wheel (README, "Install"). Drop this test at the first
+    # registry release.
+    registry_install = re.compile(r"pip install [\"']?keras[-_]hetero")
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    for folder in ("examples", "keras_hetero"):
+        files += (ROOT / folder).rglob("*.py")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in files
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if registry_install.search(line)
+    ]
+    assert not found, f"install from a checkout or a wheel instead: {found}"

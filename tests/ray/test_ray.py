@@ -267,7 +267,7 @@ def _single_device(initial, epochs):
 
 def test_import_without_ray_names_the_extra():
     message = helpers.import_error_without("ray", "keras_hetero.ray")
-    assert 'pip install "keras-hetero[ray]"' in message
+    assert 'pip install "ray[train]==2.60.0"' in message
 
 
 def test_elastic_checkpoint_needs_a_step_schedule():

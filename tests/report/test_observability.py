@@ -339,7 +339,7 @@ def test_without_matplotlib_import_works_and_drawing_names_the_extra(
         "    try:\n"
         "        make()\n"
         "    except ImportError as error:\n"
-        "        assert 'keras-hetero[report]' in str(error), error\n"
+        "        assert 'matplotlib>=3.8' in str(error), error\n"
         "    else:\n"
         "        raise SystemExit('no ImportError')\n"
         "print('ok')\n"

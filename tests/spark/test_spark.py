@@ -194,7 +194,7 @@ def test_bad_arguments_are_refused_before_any_task(spark):
 
 def test_import_without_pyspark_names_the_extra():
     message = helpers.import_error_without("pyspark", "keras_hetero.spark")
-    assert 'pip install "keras-hetero[spark]"' in message
+    assert 'pip install "pyspark>=3.5,<5"' in message
 
 
 @pytest.mark.slow
