@@ -167,28 +167,74 @@ def device_token(tensors):
         A float32 scalar tensor on the host CPU, or None when no tensor
         was numeric.
     """
+    elements = device_elements(tensors)
+    if not elements:
+        return None
+    with tf.device(_host_of(elements[0].device)):
+        return tf.reduce_sum(
+            tf.concat(elements, 0) if len(elements) > 1 else elements[0]
+        )
+
+
+def device_elements(tensors):
+    """One float32 element per device of `tensors`, made on that device
+    under control dependencies on all of its tensors (see `device_token`).
+
+    Args:
+        tensors: Tensors on any devices (None entries and non-numeric
+            tensors are skipped).
+
+    Returns:
+        A list of `[1]`-shaped (`[0]` for an empty tensor) float32 tensors,
+        one per device, in the order the devices first appear.
+    """
     by_device = {}
     for tensor in _tensors(tensors):
         dtype = tf.as_dtype(tensor.dtype)
         if dtype.is_floating or dtype.is_integer or dtype.is_bool:
             by_device.setdefault(tensor.device, []).append(tensor)
-    if not by_device:
-        return None
-    parts = []
+    elements = []
     for device, group in by_device.items():
         # A floating tensor if the device has one: no cast kernel.
         source = next((t for t in group if t.dtype.is_floating), group[0])
         with tf.device(device), tf.control_dependencies(group):
             # One element (none of an empty tensor): a 0-byte copy waits
-            # for the stream all the same (see above).
-            piece = tf.reshape(source, [-1])[:1]
-            if piece.dtype != tf.float32:
-                piece = tf.cast(piece, tf.float32)
-        parts.append(piece)
-    with tf.device(_host_of(next(iter(by_device)))):
-        return tf.reduce_sum(
-            tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-        )
+            # for the stream all the same (see `device_token`).
+            element = tf.reshape(source, [-1])[:1]
+            if element.dtype != tf.float32:
+                element = tf.cast(element, tf.float32)
+        elements.append(element)
+    return elements
+
+
+def written(variables):
+    """A float32 scalar that exists once every write to `variables` traced
+    before it (in the same `tf.function`) is done.
+
+    Each variable is read on its own device (automatic control
+    dependencies order a read after the writes traced before it); one
+    element per device of those reads crosses to where the scalar is
+    used (`device_elements`). E.g. the optimizer's update on parameter
+    servers, seen from a worker's clock.
+
+    Args:
+        variables: Keras or TensorFlow variables (a `tf.distribute`
+            ShardedVariable counts as its shards).
+
+    Returns:
+        A float32 scalar tensor (placed where it is used), or None for no
+        variables.
+    """
+    reads = []
+    for variable in variables:
+        variable = _compat.distributed_variable(variable)
+        for part in getattr(variable, "variables", None) or [variable]:
+            with tf.device(part.device):
+                reads.append(part.read_value())
+    elements = device_elements(reads)
+    if not elements:
+        return None
+    return tf.reduce_sum(tf.concat(elements, 0))
 
 
 def _tensors(structure):

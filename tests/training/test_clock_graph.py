@@ -253,3 +253,57 @@ def test_fit_on_ragged_input_matches_keras_model():
         model.fit(x, y, batch_size=4, epochs=3, verbose=0)
     for mine, theirs in zip(hetero.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5)
+
+
+def _parameter_server_step(end_reading):
+    """A step traced as a parameter-server closure runs it: a start
+    reading, the forward pass, the logs, the optimizer's update, then
+    `end_reading(start, logs, variables)`; returns the end reading's
+    Timestamp op and the update's ops."""
+    model = _model()
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(variables)
+    readings = []
+
+    @tf.function
+    def closure(x, y):
+        start = tf.timestamp()
+        with tf.GradientTape() as tape:
+            predictions = model(x, training=True)
+            loss = tf.reduce_mean(tf.square(predictions - y))
+        logs = {"loss": loss}
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, variables), variables)
+        )
+        written = [*variables, optimizer.iterations]
+        readings.append((start, end_reading(start, logs, written)))
+        return readings[0][1]
+
+    spec = (tf.TensorSpec([None, 3]), tf.TensorSpec([None, 1]))
+    graph = closure.get_concrete_function(*spec).graph
+    (start, seconds) = readings[0]
+    (end,) = [
+        op
+        for op in _ancestors(seconds.op)
+        if op.type == "Timestamp" and op is not start.op
+    ]
+    # The update's writes: the variables' and the optimizer's iterations.
+    updates = [
+        op
+        for op in graph.get_operations()
+        if op.type.startswith(("ResourceApply", "Assign"))
+    ]
+    return end, updates
+
+
+def test_parameter_server_clock_reads_after_the_update():
+    """A parameter-server closure's seconds include its update (its logs
+    exist before the update: the metrics read the predictions)."""
+    from keras_hetero.training.parameter_server import closure_seconds
+
+    end, updates = _parameter_server_step(closure_seconds)
+    assert len(updates) >= 4  # at least two kernels and two biases
+    waited = _ancestors(end)
+    for update in updates:
+        assert update in waited, f"{update.name} may end after the reading"
