@@ -6,7 +6,7 @@ seconds (`model.step_stats`). Those are device time by construction
 runtime that reports kernels done when queued, a clock replaced or broken)
 would make them follow noise: shares moved to whichever device dispatches
 fastest, stragglers never found. `ClockCheck` watches the readings and
-names a replica whose clock is blind, by three signs:
+names a replica whose clock is blind, by these signs:
 
 - **floor**: its readings stay below `floor_seconds` per step while it has
   rows (a clock reading a constant gives 0);
