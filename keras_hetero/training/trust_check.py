@@ -78,9 +78,13 @@ def host_timed(model, arrays, device, training=True):
         model: A compiled `keras.Model`.
         arrays: `(x, y)` or `(x, y, sample_weight)` numpy structures.
         device: The device name.
-        training: The forward pass's `training` argument. False (during
-            `fit`, on the model being trained) leaves the model's state
-            as it is: no batch-norm statistics move.
+        training: True: the forward pass in training mode and the
+            compiled loss (on a copy of the model, as the doctor times).
+            False (during `fit`, on the model being trained) leaves its
+            state as it is: inference mode (no batch-norm statistics move)
+            and, for the loss, the sum of the predictions (the compiled
+            loss would update the loss metrics; the backward pass costs
+            the same through the network). Defaults to `True`.
 
     Returns:
         `(gradients, round_trip)`: functions of no arguments.
@@ -94,7 +98,10 @@ def host_timed(model, arrays, device, training=True):
         with tf.device(device):
             with tf.GradientTape() as tape:
                 predictions = model(x, training=training)
-                loss = model.compute_loss(x, y, predictions, sample_weight)
+                if training:
+                    loss = model.compute_loss(x, y, predictions, sample_weight)
+                else:
+                    loss = _sum(predictions)
             grads = tape.gradient(loss, _on_device(model, device))
             return _first_elements([loss, *grads])
 
@@ -135,6 +142,15 @@ def host_seconds(model, arrays, device, repeats=3, training=False):
     steps = [gradients() for _ in range(repeats)]
     trips = [round_trip() for _ in range(repeats)]
     return max(min(steps) - min(trips), 0.0)
+
+
+def _sum(predictions):
+    return tf.add_n(
+        [
+            tf.reduce_sum(tf.cast(tensor, tf.float32))
+            for tensor in tf.nest.flatten(predictions)
+        ]
+    )
 
 
 def _on_device(model, device):

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras_hetero as kh
 from keras_hetero.training import telemetry
+from keras_hetero.training import trust_check
 from keras_hetero.training.clock_check import ClockCheck
 from tests.conftest import DEVICES
 from tests.support import helpers
@@ -323,3 +324,25 @@ def test_the_trust_check_passes_working_clocks():
     assert [f for f in rebalancer.clock_findings if f.sign == "host"] == []
     assert rebalancer.changes
     assert data.shares[0] > 0.6
+
+
+def test_the_online_trust_check_leaves_the_model_as_it_is():
+    """During `fit` the trust check times the model being trained: no
+    weight, statistic or metric may move."""
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = helpers.slow_model(strategy, 0.0)
+    x, y, _, _ = helpers.arrays()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+    def state():
+        metrics = [v for m in model.metrics for v in m.variables]
+        return [np.array(v.numpy()) for v in [*model.variables, *metrics]]
+
+    before = state()
+    with strategy.scope():
+        seconds = trust_check.host_seconds(
+            model, trust_check.random_batch(model, 8), DEVICES[1]
+        )
+    assert seconds >= 0.0
+    for old, new in zip(before, state()):
+        np.testing.assert_array_equal(old, new)
