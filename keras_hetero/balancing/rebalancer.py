@@ -9,6 +9,7 @@ from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero.balancing import core as rebalance
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import trust_check
 from keras_hetero.training.clock_check import ClockCheck
 
 logger = logging.getLogger("keras_hetero")
@@ -49,6 +50,15 @@ class ShardRebalancer(base.HeteroCallback):
     change), is named in one warning (logger `keras_hetero`) and keeps its
     share (recorded in `clock_findings`), rather than the shares following
     noise. Readings that jump from step to step are reported once too.
+    Every `trust_every_n_steps` steps it also runs the trust check on one
+    replica in turn (`keras_hetero.training.trust_check`): the replica's
+    forward pass, loss and gradients of its rows (random data shaped like
+    the model's inputs) timed from the host, synchronised with its device,
+    against what its in-step clock reads; a clock reading under half of
+    that is blind too, and its share is held. This is what tells two
+    equally blind devices apart. It runs on single-worker strategies (a
+    worker can time only its own devices, and every worker must decide
+    alike); a model without symbolic inputs is not checked.
 
     Args:
         dataset: The `kh.data.HeteroDataset` to act on. Defaults to `None`:
@@ -65,12 +75,16 @@ class ShardRebalancer(base.HeteroCallback):
         lag: Global batches between a decision and the first batch it
             splits; larger than what the pipeline prefetches after the split.
             Defaults to `4`.
+        trust_every_n_steps: Steps between two trust checks (each of one
+            replica; a few calls of a gradient function, and a trace the
+            first time on each replica); None for none. Defaults to `500`.
 
     Raises:
         TypeError: If `dataset` is not None or a `kh.data.HeteroDataset`.
         ValueError: For a non-positive `every_n_steps`, `window` or `lag`, a
             negative `warmup_steps`, `min_share` outside `[0, 1/replicas]`,
-            `max_rows` below 1, or `tolerance` < 0. At the start of `fit`
+            `max_rows` below 1, `tolerance` < 0, or a non-positive
+            `trust_every_n_steps`. At the start of `fit`
             (without `dataset`): if the input cannot be rebalanced (a
             `tf.data.Dataset` or generator under several replicas).
 
@@ -92,6 +106,7 @@ class ShardRebalancer(base.HeteroCallback):
         max_rows=None,
         tolerance=0.05,
         lag=4,
+        trust_every_n_steps=500,
     ):
         super().__init__()
         if dataset is not None and not isinstance(dataset, HeteroDataset):
@@ -108,6 +123,8 @@ class ShardRebalancer(base.HeteroCallback):
             ("warmup_steps", warmup_steps, 0),
         ):
             check_int(name, value, low)
+        if trust_every_n_steps is not None:
+            check_int("trust_every_n_steps", trust_every_n_steps, 1)
         _check_min_share(min_share, dataset)
         if max_rows is not None and np.any(np.asarray(max_rows) < 1):
             raise ValueError(
@@ -128,6 +145,7 @@ class ShardRebalancer(base.HeteroCallback):
         self.max_rows = max_rows
         self.tolerance = float(tolerance)
         self.lag = lag
+        self.trust_every_n_steps = trust_every_n_steps
         self._reset()
 
     stage = "input"
@@ -180,6 +198,8 @@ class ShardRebalancer(base.HeteroCallback):
         self._pass = None
         self._pass_steps = 0
         self._clock = None
+        self._since_trust = 0
+        self._trust_replica = 0
         self.changes = []
         self.clock_findings = []
 
@@ -197,6 +217,13 @@ class ShardRebalancer(base.HeteroCallback):
             # synchronisation (a round's numbers arrive with it).
             return
         self._check_clock(stats)
+        self._since_trust += stats.measured_steps
+        if (
+            self.trust_every_n_steps is not None
+            and self._since_trust >= self.trust_every_n_steps
+        ):
+            self._since_trust = 0
+            self._trust_check()
         self._speeds = self._speeds.add(stats.rows, stats.compute_seconds)
         self._since_decision += stats.measured_steps
         if self._since_decision < self.every_n_steps:
@@ -206,9 +233,14 @@ class ShardRebalancer(base.HeteroCallback):
     def _check_clock(self, stats):
         if self._clock is None or len(self._clock.devices) != len(stats.rows):
             self._clock = ClockCheck(stats.devices)
-        for finding in self._clock.add(
-            stats.rows, stats.compute_seconds, stats.measured_steps
-        ):
+        self._report(
+            self._clock.add(
+                stats.rows, stats.compute_seconds, stats.measured_steps
+            )
+        )
+
+    def _report(self, findings):
+        for finding in findings:
             self.clock_findings.append(finding)
             logger.warning(
                 "ShardRebalancer: %s",
@@ -218,6 +250,32 @@ class ShardRebalancer(base.HeteroCallback):
                     else "Decisions go on from the window's medians."
                 ),
             )
+
+    def _trust_check(self):
+        """Times one replica's work from the host and compares (see the
+        class docstring); the next call takes the next replica."""
+        model = self.model
+        strategy = model.distribute_strategy
+        if _distribute.is_multi_worker(strategy):
+            return
+        usable = np.flatnonzero(self._clock.usable())
+        if self._trust_replica is None or not len(usable):
+            return
+        replica = int(
+            usable[np.searchsorted(usable, self._trust_replica) % len(usable)]
+        )
+        self._trust_replica = replica + 1
+        rows, clock_seconds = self._clock.recent_seconds(replica)
+        if not rows >= 1:
+            return
+        arrays = trust_check.random_batch(model, int(rows))
+        if arrays is None:
+            self._trust_replica = None  # nothing to shape data by
+            return
+        device = self._clock.devices[replica]
+        with strategy.scope():
+            host_seconds = trust_check.host_seconds(model, arrays, device)
+        self._report(self._clock.compare(replica, clock_seconds, host_seconds))
 
     def rebalance_now(self):
         """Decides from the current window now (e.g. on a straggler event).

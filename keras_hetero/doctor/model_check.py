@@ -4,10 +4,11 @@ For each device the model is copied under `tf.distribute.OneDeviceStrategy`
 and timed twice for the same work (forward pass, loss and gradients of one
 batch):
 
-- from the host, synchronised: a `tf.function` computing the gradients
-  returns a host copy of one element of each, so the time includes the
-  device finishing them; the host's round trip to the device (the same
-  function shape doing nothing) is subtracted;
+- from the host, synchronised (`keras_hetero.training.trust_check`, which
+  `ShardRebalancer` also runs during `fit`): a `tf.function` computing the
+  gradients returns a host copy of one element of each, so the time
+  includes the device finishing them; the host's round trip to the device
+  (the same function shape doing nothing) is subtracted;
 - by `HeteroModel`'s in-step clock (`model.step_stats.compute_seconds`)
   during a `fit` of a few steps.
 
@@ -22,14 +23,13 @@ would misjudge that device.
 
 import dataclasses
 import os
-import time
 import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from keras_hetero import _compat
 from keras_hetero._compat import keras
+from keras_hetero.training import trust_check
 
 # Rounds of REPEATS host-synchronised calls and a `fit` of FIT_STEPS steps
 # (read by the in-step clock).
@@ -84,7 +84,7 @@ def check(model):
             f"model={model!r} of type {type(model).__name__}. Expected a "
             "compiled keras.Model or the path of a saved .keras model."
         )
-    if not _compile_config(model):
+    if not trust_check.compile_config(model):
         raise ValueError(
             "Invalid value for argument `model`. Received: "
             f"model={model.name!r}, which is not compiled. Compile it (the "
@@ -154,39 +154,14 @@ def batch_arrays(model, batch):
 
 
 def _random_batch(model, rows):
-    inputs, outputs = _compat.symbolic_inputs_outputs(model)
-    if inputs is None:
+    batch = trust_check.random_batch(model, rows)
+    if batch is None:
         raise ValueError(
             "Invalid value for argument `batch`. Received: "
             f"batch={rows}, but model {model.name!r} has no symbolic inputs "
             "to shape random data by. Pass batch=(x, y) instead."
         )
-    generator = np.random.default_rng(0)
-    sparse = "sparse" in str(_compile_config(model).get("loss")).lower()
-
-    def features(tensor):
-        shape = [rows, *(d or 1 for d in tensor.shape[1:])]
-        dtype = tf.as_dtype(tensor.dtype)
-        if dtype.is_floating:
-            return generator.standard_normal(shape).astype(dtype.as_numpy_dtype)
-        return np.zeros(shape, dtype.as_numpy_dtype)
-
-    def labels(tensor):
-        shape = [rows, *(d or 1 for d in tensor.shape[1:])]
-        if sparse:
-            return generator.integers(0, max(shape[-1], 1), shape[:-1])
-        return generator.random(shape).astype(np.float32)
-
-    x = tf.nest.map_structure(features, inputs)
-    y = tf.nest.map_structure(labels, outputs)
-    return x, y
-
-
-def _compile_config(model):
-    try:
-        return model.get_compile_config() or {}
-    except (AttributeError, ValueError):
-        return {}
+    return batch
 
 
 def time_step(model, arrays, device):
@@ -204,7 +179,7 @@ def time_step(model, arrays, device):
     with strategy.scope():
         hetero = _copy(model)
     fit_steps = _fit_readings(hetero, arrays)
-    gradients, round_trip = _host_timed(hetero, arrays, device)
+    gradients, round_trip = trust_check.host_timed(hetero, arrays, device)
     # The first step of the first fit warms up.
     clock_readings = fit_steps()[1:]
     step_timings, trip_timings = [], []
@@ -264,53 +239,6 @@ def _fit_readings(hetero, arrays):
         return list(readings)
 
     return fit_steps
-
-
-def _host_timed(hetero, arrays, device):
-    """Two functions, each returning the host-synchronised seconds of one
-    call: forward, loss and gradients on `device`; and the host's round
-    trip to it (a host copy of one input element)."""
-    with tf.device(device):
-        placed = tf.nest.map_structure(tf.convert_to_tensor, arrays)
-    x, y, sample_weight = (*placed, None)[:3]
-
-    @tf.function
-    def gradients(x, y, sample_weight):
-        with tf.device(device):
-            with tf.GradientTape() as tape:
-                predictions = hetero(x, training=True)
-                loss = hetero.compute_loss(x, y, predictions, sample_weight)
-            grads = tape.gradient(loss, hetero.trainable_variables)
-            return _first_elements(grads)
-
-    @tf.function
-    def round_trip(x, y, sample_weight):
-        with tf.device(device):
-            return _first_elements(tf.nest.flatten(x))
-
-    def timed(function):
-        function(x, y, sample_weight).numpy()  # traces
-
-        def seconds():
-            start = time.perf_counter()
-            function(x, y, sample_weight).numpy()
-            return time.perf_counter() - start
-
-        return seconds
-
-    return timed(gradients), timed(round_trip)
-
-
-def _first_elements(tensors):
-    """A float32 sum of one element of each tensor: its host copy exists
-    only once the device computed them all."""
-    pieces = []
-    for tensor in tensors:
-        if isinstance(tensor, tf.IndexedSlices):
-            tensor = tensor.values
-        if tensor is not None:
-            pieces.append(tf.cast(tf.reshape(tensor, [-1])[:1], tf.float32))
-    return tf.reduce_sum(tf.concat(pieces, 0))
 
 
 def _state_bytes(hetero):

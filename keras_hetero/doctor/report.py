@@ -11,12 +11,11 @@ import dataclasses
 import json
 import math
 
-# The in-step clock must read at least this fraction of the host-synchronised
-# time of the same work to be trusted.
-CLOCK_TRUST_THRESHOLD = 0.5
-# Below this host-synchronised compute time, timer noise and the host round
-# trip decide the ratio, not the device.
-MIN_JUDGED_SECONDS = 1e-3
+from keras_hetero.training import clock_check
+
+# The same thresholds as the online trust check during `fit`.
+CLOCK_TRUST_THRESHOLD = clock_check.TRUST_FRACTION
+MIN_JUDGED_SECONDS = clock_check.MIN_JUDGED_SECONDS
 # Memory left free when estimating the rows a device holds.
 MEMORY_HEADROOM = 0.1
 

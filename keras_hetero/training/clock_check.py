@@ -6,7 +6,7 @@ seconds (`model.step_stats`). Those are device time by construction
 runtime that reports kernels done when queued, a clock replaced or broken)
 would make them follow noise: shares moved to whichever device dispatches
 fastest, stragglers never found. `ClockCheck` watches the readings and
-names a replica whose clock is blind, by three signs:
+names a replica whose clock is blind, by these signs:
 
 - **floor**: its readings stay below `floor_seconds` per step while it has
   rows (a clock reading a constant gives 0);
@@ -18,7 +18,17 @@ names a replica whose clock is blind, by three signs:
   reading to the next by a median factor above `max_jitter` (a change of
   the device's speed is one such change, not many).
 
-The first two say the clock does not see the device's work: such a replica
+Two equally blind devices show none of these (plausible readings, equal,
+so nothing moves for the rows sign to test). A fourth sign compares with
+the same work timed another way, fed in by the caller every few hundred
+steps (`compare`; `training.trust_check` times it, as `kh.doctor`'s trust
+check does):
+
+- **host**: its in-step reading is under `TRUST_FRACTION` of the
+  host-synchronised seconds of the same rows' forward pass, loss and
+  gradients on its device.
+
+All but noise say the clock does not see the device's work: such a replica
 is `blind` from then on, and its readings unusable (`usable`, `masked`).
 Noise alone is reported but the readings stay usable: a throttled host
 (a CFS quota) reads bimodal seconds that are its real time, and the
@@ -34,6 +44,12 @@ import dataclasses
 import numpy as np
 
 FLOOR_SECONDS = 1e-5
+# The in-step clock must read at least this fraction of the
+# host-synchronised time of the same work to be trusted...
+TRUST_FRACTION = 0.5
+# ...judged only above this host time: below it timer noise and the host's
+# round trip decide the ratio, not the device.
+MIN_JUDGED_SECONDS = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +59,8 @@ class ClockFinding:
     Attributes:
         replica: The global replica index.
         device: That replica's device.
-        sign: `"floor"`, `"rows"` or `"noise"` (see the module).
+        sign: `"floor"`, `"rows"`, `"noise"` or `"host"` (see the
+            module).
         detail: What was measured, in words.
     """
 
@@ -55,7 +72,7 @@ class ClockFinding:
     @property
     def blind(self):
         """Whether the sign says the clock does not see the device's work
-        ("floor", "rows"); noise alone does not."""
+        ("floor", "rows", "host"); noise alone does not."""
         return self.sign != "noise"
 
     def message(self, action):
@@ -207,6 +224,54 @@ class ClockCheck:
         if self._readings % max(self.window // 2, 1) == 0:
             findings += self._noise()
         return findings
+
+    def recent_seconds(self, replica):
+        """The median seconds per step of `replica`'s measured readings in
+        the window at its latest rows, as `(rows, seconds)`; `(nan, nan)`
+        without any."""
+        rows, seconds = self._recent(slice(None), [replica])
+        rows, seconds = rows[:, 0], seconds[:, 0]
+        measured = np.isfinite(seconds)
+        if not measured.any():
+            return np.nan, np.nan
+        latest = rows[np.flatnonzero(measured)[-1]]
+        same = measured & (rows == latest)
+        return float(latest), float(np.median(seconds[same]))
+
+    def compare(self, replica, clock_seconds, host_seconds):
+        """The trust check: `replica`'s in-step seconds per step against
+        the host-synchronised seconds of the same work (forward pass, loss
+        and gradients of its rows on its device).
+
+        Args:
+            replica: The global replica index.
+            clock_seconds: What its in-step clock reads per step.
+            host_seconds: The host-synchronised seconds of that work.
+
+        Returns:
+            A list with the `"host"` finding if the clock reads under
+            `TRUST_FRACTION` of the host's time (the replica is blind from
+            then on), else empty. Not judged (empty): a replica already
+            blind, a NaN reading, or host time under `MIN_JUDGED_SECONDS`.
+        """
+        if (
+            self.blind[replica]
+            or not np.isfinite(clock_seconds)
+            or not host_seconds >= MIN_JUDGED_SECONDS
+            or clock_seconds >= TRUST_FRACTION * host_seconds
+        ):
+            return []
+        self.blind[replica] = True
+        return [
+            self._finding(
+                replica,
+                "host",
+                f"it read {clock_seconds * 1e3:.2f} ms per step, "
+                f"{clock_seconds / host_seconds:.0%} of the "
+                f"{host_seconds * 1e3:.2f} ms the same work took timed from "
+                "the host, synchronised",
+            )
+        ]
 
     def usable(self):
         """Which replicas' readings may be acted on (a bool array)."""

@@ -99,6 +99,11 @@ class ParameterServerRunner:
 
     def _make_closure(self, step_function, steps):
         strategy = self.strategy
+        # What the steps' update writes: the clock waits for all of it.
+        variables = [
+            *self.model.trainable_variables,
+            self.model.optimizer.iterations,
+        ]
 
         @tf.function
         def closure(iterator, worker):
@@ -114,8 +119,7 @@ class ParameterServerRunner:
             logs = tf.nest.map_structure(
                 lambda v: strategy.experimental_local_results(v)[0], logs
             )
-            with tf.control_dependencies(tf.nest.flatten(logs)):
-                seconds = tf.timestamp() - start
+            seconds = closure_seconds(start, logs, variables)
             return logs, worker, rows, seconds
 
         return closure
@@ -300,6 +304,31 @@ class ParameterServerRunner:
         return tf.nest.map_structure(
             lambda *parts: np.concatenate(parts), *outputs
         )
+
+
+def closure_seconds(start, logs, variables):
+    """Seconds from `start` until the closure's steps are over: their
+    `logs` exist and their updates of `variables` (on the parameter
+    servers) are done.
+
+    The logs alone come before the update (the metrics read the step's
+    predictions), so a clock ordered after them only would leave the
+    update's traffic to the parameter servers out of the closure's time.
+
+    Args:
+        start: The closure's start reading (`tf.timestamp`).
+        logs: The last step's logs (a structure of tensors).
+        variables: The variables the steps update.
+
+    Returns:
+        A float64 scalar tensor.
+    """
+    waits = tf.nest.flatten(logs)
+    updated = telemetry.written(variables)
+    if updated is not None:
+        waits.append(updated)
+    with tf.control_dependencies(waits):
+        return tf.timestamp() - start
 
 
 def _worker_ids(coordinator):

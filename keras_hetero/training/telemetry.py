@@ -72,13 +72,14 @@ def clock(dependencies, enabled=True):
 
     "Finished" means on the device that computes them, not only enqueued:
     an accelerator's (GPU) kernel counts as done for TensorFlow's executor
-    as soon as it is queued on the device's stream, so a host clock ordered
-    after it by a control edge reads the time to *enqueue* the work. Here
-    the reading instead takes a data input that exists only once the device
-    has run every kernel before it: `device_token`'s host copy of one
-    element of each tensor. Tensors on the host CPU (a CPU replica, the
-    logical CPUs of the tests) are finished when their kernel returns; they
-    are waited for by a control edge, which costs no extra op.
+    as soon as it is queued on the device's stream: being ordered after it
+    means after its *enqueuing*. What waits for the device to run it is a
+    device-to-host copy, which completes only once the device has run every
+    kernel queued before it; the reading takes one as its data input
+    (`device_token`: one float32 element per device). Tensors on the host
+    CPU (a CPU replica, the logical CPUs of the tests) are finished when
+    their kernel returns; they are waited for by a control edge, which
+    costs no extra op.
 
     In-graph and unordered with the other replicas' clocks (see
     `_compat.unordered_timestamp`): a stateful op would serialise the
@@ -119,35 +120,41 @@ def clock(dependencies, enabled=True):
 def device_token(tensors):
     """A host float32 scalar that exists once every tensor is computed.
 
-    Why this waits for the device's work, not its enqueuing (TensorFlow
+    One element per device, made on that device under control
+    dependencies on all of that device's tensors, copied to the host. Why
+    this waits for the device's work, not its enqueuing (TensorFlow
     2.19-2.21 source):
 
-    - the value is made on each tensor's own device from the tensor (a
-      one-element slice, `tf.concat` per device): a kernel queued on that
-      device's compute stream after the kernels that made the tensors;
-    - its consumer (`tf.reduce_sum`) is placed on the host CPU, so the
-      graph partitioner puts a `_Send`/`_Recv` pair on the edge
-      (tensorflow/core/graph/graph_partition.cc, `Partition`: a data edge
-      between devices becomes Send/Recv; a CONTROL edge becomes the
-      `AddDummyConst` empty constant instead, which is why a control
-      dependency is not enough);
-    - the `_Recv` on the host completes through `SameWorkerRecvDone`
-      (tensorflow/core/common_runtime/rendezvous_mgr.cc): its shortcut
-      (share the buffer, no wait) applies only when the sent tensor is in
-      host memory; a float tensor made by a device kernel is not, so it
-      calls `CopyTensor::ViaDMA` (tensorflow/core/common_runtime/
-      copy_tensor.cc, "gpu -> cpu": `CopyDeviceToHost` ->
-      `send_dev_context->CopyDeviceTensorToCPU`) -> `GPUUtil::
+    - the control edges make the executor run the element's kernel after
+      every kernel that made the device's tensors was queued, on the same
+      compute stream (a kernel on a GPU is "done" for the executor once
+      queued: ordering, not completion);
+    - its consumer (`tf.reduce_sum`) is on the host CPU, so the graph
+      partitioner puts a `_Send`/`_Recv` pair on the edge
+      (tensorflow/core/graph/graph_partition.cc, `Partition`); the host's
+      `_Recv` completes through `SameWorkerRecvDone`
+      (tensorflow/core/common_runtime/rendezvous_mgr.cc) ->
+      `CopyTensor::ViaDMA` (copy_tensor.cc) -> `GPUUtil::
       CopyGPUTensorToCPU` (tensorflow/core/common_runtime/gpu/
-      gpu_util.cc): it makes the device-to-host stream
-      `ThenWaitFor(send_stream)` (the compute stream as far as it was
-      queued: every kernel before the slice), queues the copy, and calls
-      `done` from `event_mgr->ThenExecute(send_device_to_host_stream,
-      ...)`: only once the stream has executed all of that. The `_Recv`
-      output, and so the clock that reads it, exists only then. The cast
-      to float32 keeps the piece a device kernel's output in device
-      memory whatever the tensor's dtype (TensorFlow keeps int32 slices on
-      a GPU in host memory, which would take the shortcut).
+      gpu_util.cc), which makes the device-to-host stream
+      `ThenWaitFor(send_stream)`, the compute stream as far as it was
+      queued, UNCONDITIONALLY (before, and whatever, its `total_bytes >
+      0` test), and calls `done` from `event_mgr->ThenExecute` on that
+      stream. The file's IMPLEMENTATION NOTE 2 (at its top) says so for
+      a 0-byte copy: "we must ensure the causal ordering by arranging the
+      copy done callback happens-after all activities scheduled on the
+      given stream being finished". So the bytes copied do not matter,
+      the stream wait does: a data edge from every gradient is not
+      needed. (The partitioner sends even a cross-device control edge
+      this way, as an empty float constant, `AddDummyConst`; the element
+      makes the copy explicit, for the graph test to check.) One element
+      per device is the copy this takes, made from a tensor already
+      there (no cast of a float32 one).
+    - The one pitfall is a tensor in HOST memory: TensorFlow keeps int32
+      tensors of a GPU device there, and `SameWorkerRecvDone`'s shortcut
+      for a host-memory tensor hands the buffer over with no stream wait.
+      So the element is float32 (an int32 or other integer one is cast
+      to float32 by a kernel on the device), never int32.
 
     The token's value means nothing (it may be NaN or inf); it is an
     ordering device only.
@@ -160,31 +167,74 @@ def device_token(tensors):
         A float32 scalar tensor on the host CPU, or None when no tensor
         was numeric.
     """
+    elements = device_elements(tensors)
+    if not elements:
+        return None
+    with tf.device(_host_of(elements[0].device)):
+        return tf.reduce_sum(
+            tf.concat(elements, 0) if len(elements) > 1 else elements[0]
+        )
+
+
+def device_elements(tensors):
+    """One float32 element per device of `tensors`, made on that device
+    under control dependencies on all of its tensors (see `device_token`).
+
+    Args:
+        tensors: Tensors on any devices (None entries and non-numeric
+            tensors are skipped).
+
+    Returns:
+        A list of `[1]`-shaped (`[0]` for an empty tensor) float32 tensors,
+        one per device, in the order the devices first appear.
+    """
     by_device = {}
     for tensor in _tensors(tensors):
         dtype = tf.as_dtype(tensor.dtype)
-        if not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
-            continue
-        with tf.device(tensor.device):
-            # One element (none of an empty tensor), by kernels on the
-            # tensor's device.
-            piece = tf.reshape(tensor, [-1])[:1]
-            if piece.dtype != tf.float32:
-                piece = tf.cast(piece, tf.float32)
-        by_device.setdefault(tensor.device, []).append(piece)
-    if not by_device:
+        if dtype.is_floating or dtype.is_integer or dtype.is_bool:
+            by_device.setdefault(tensor.device, []).append(tensor)
+    elements = []
+    for device, group in by_device.items():
+        # A floating tensor if the device has one: no cast kernel.
+        source = next((t for t in group if t.dtype.is_floating), group[0])
+        with tf.device(device), tf.control_dependencies(group):
+            # One element (none of an empty tensor): a 0-byte copy waits
+            # for the stream all the same (see `device_token`).
+            element = tf.reshape(source, [-1])[:1]
+            if element.dtype != tf.float32:
+                element = tf.cast(element, tf.float32)
+        elements.append(element)
+    return elements
+
+
+def written(variables):
+    """A float32 scalar that exists once every write to `variables` traced
+    before it (in the same `tf.function`) is done.
+
+    Each variable is read on its own device (automatic control
+    dependencies order a read after the writes traced before it); one
+    element per device of those reads crosses to where the scalar is
+    used (`device_elements`). E.g. the optimizer's update on parameter
+    servers, seen from a worker's clock.
+
+    Args:
+        variables: Keras or TensorFlow variables (a `tf.distribute`
+            ShardedVariable counts as its shards).
+
+    Returns:
+        A float32 scalar tensor (placed where it is used), or None for no
+        variables.
+    """
+    reads = []
+    for variable in variables:
+        variable = _compat.distributed_variable(variable)
+        for part in getattr(variable, "variables", None) or [variable]:
+            with tf.device(part.device):
+                reads.append(part.read_value())
+    elements = device_elements(reads)
+    if not elements:
         return None
-    parts = []
-    for device, pieces in by_device.items():
-        with tf.device(device):
-            # One device-to-host copy per device, whatever the tensors.
-            parts.append(
-                pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
-            )
-    with tf.device(_host_of(next(iter(by_device)))):
-        return tf.reduce_sum(
-            tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-        )
+    return tf.reduce_sum(tf.concat(elements, 0))
 
 
 def _tensors(structure):

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras_hetero as kh
 from keras_hetero.training import telemetry
+from keras_hetero.training import trust_check
 from keras_hetero.training.clock_check import ClockCheck
 from tests.conftest import DEVICES
 from tests.support import helpers
@@ -247,3 +248,101 @@ def test_at_1024_replicas_the_blind_half_is_found_and_no_other():
     assert sorted(f.replica for f in found) == list(range(512))
     assert {f.sign for f in found} == {"rows"}
     np.testing.assert_array_equal(check.usable(), ~blind)
+
+
+def test_the_trust_check_finds_a_clock_under_half_the_host_time():
+    check = ClockCheck(GPUS)
+    _feed(check, [([16, 16], [0.002, 0.030])] * 4)
+    assert check.recent_seconds(0) == (16.0, 0.002)
+    # Replica 1 reads what the host timed; replica 0 a tenth of it.
+    assert check.compare(1, 0.030, 0.032) == []
+    (finding,) = check.compare(0, 0.002, 0.020)
+    assert (finding.replica, finding.sign, finding.blind) == (0, "host", True)
+    assert "10% of the 20.00 ms" in finding.detail, finding.detail
+    assert check.usable().tolist() == [False, True]
+    # Reported once; nothing judged on a NaN reading or a host time too
+    # short to tell the device from the timer.
+    assert check.compare(0, 0.002, 0.020) == []
+    assert check.compare(1, np.nan, 0.020) == []
+    assert check.compare(1, 0.0001, 0.0009) == []
+    assert check.usable().tolist() == [False, True]
+
+
+def _equally_blind_clocks(monkeypatch, seconds=0.002):
+    """Every replica's clock reads `seconds` per step whatever its work:
+    plausible, equal readings that never move (two GPUs whose clocks see
+    only the queueing of their kernels)."""
+    original = telemetry.stats_vector
+
+    def stats_vector(num_replicas, rows, measured):
+        return original(num_replicas, rows, tf.constant(seconds, tf.float64))
+
+    monkeypatch.setattr(telemetry, "stats_vector", stats_vector)
+
+
+def _fit_unequal_pair(trust_every_n_steps):
+    """Two replicas, SIMULATED speeds 3 : 1, with a rebalancer."""
+    devices = DEVICES[:2]
+    strategy = helpers.mirrored(devices)
+    model = helpers.slow_model(strategy, {devices[0]: 0.001, devices[1]: 0.003})
+    data = kh.data.shard(helpers.examples(rows=32 * 16), 32, strategy=strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(
+        data,
+        every_n_steps=4,
+        window=4,
+        trust_every_n_steps=trust_every_n_steps,
+    )
+    model.fit(data, epochs=1, verbose=0, callbacks=[rebalancer])
+    return rebalancer, data
+
+
+def test_the_trust_check_finds_equally_blind_clocks_and_holds(
+    monkeypatch, caplog
+):
+    """No sign of the readings alone sees two equally blind clocks; the
+    trust check (every 3 steps here) names both, and their shares stay."""
+    _equally_blind_clocks(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        rebalancer, data = _fit_unequal_pair(trust_every_n_steps=3)
+    assert [(f.replica, f.sign) for f in rebalancer.clock_findings] == [
+        (0, "host"),
+        (1, "host"),
+    ]
+    assert rebalancer.changes == []
+    np.testing.assert_allclose(data.shares, [0.5, 0.5])
+    warnings = [r.getMessage() for r in caplog.records]
+    for device in DEVICES[:2]:
+        named = [w for w in warnings if device in w and "held" in w]
+        assert len(named) == 1, warnings
+
+
+def test_the_trust_check_passes_working_clocks():
+    """With the clocks as they are, the host's timing agrees: no "host"
+    finding, and the shares follow the speeds. (Only the trust check's
+    sign is asserted: on a loaded host a burst can fool the rows sign.)"""
+    rebalancer, data = _fit_unequal_pair(trust_every_n_steps=3)
+    assert [f for f in rebalancer.clock_findings if f.sign == "host"] == []
+    assert rebalancer.changes
+    assert data.shares[0] > 0.6
+
+
+def test_the_online_trust_check_leaves_the_model_as_it_is():
+    """During `fit` the trust check times the model being trained: no
+    weight, statistic or metric may move."""
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = helpers.slow_model(strategy, 0.0)
+    x, y, _, _ = helpers.arrays()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+    def state():
+        metrics = [v for m in model.metrics for v in m.variables]
+        return [np.array(v.numpy()) for v in [*model.variables, *metrics]]
+
+    before = state()
+    with strategy.scope():
+        seconds = trust_check.host_seconds(
+            model, trust_check.random_batch(model, 8), DEVICES[1]
+        )
+    assert seconds >= 0.0
+    for old, new in zip(before, state()):
+        np.testing.assert_array_equal(old, new)

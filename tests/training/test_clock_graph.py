@@ -2,10 +2,12 @@
 
 CI has no GPU, so these tests read the traced step's graph with the replica
 placed on a GPU device string (tracing places nothing; nothing runs): the
-end reading must be reachable from every gradient by data edges that cross
-from the device to the host CPU (a device-to-host copy completes only after
-the device's earlier kernels, `telemetry.device_token`), not by control
-edges alone (a GPU kernel counts as done once it is queued).
+end reading must take a data input that crosses from the device to the host
+CPU (a device-to-host copy completes only after the device's earlier
+kernels, `telemetry.device_token`), one float32 element per device made
+after every gradient on it (a data or control edge from each), and never
+an int32 tensor (TensorFlow keeps those in host memory on a GPU device, and
+hands them over with no wait for the device).
 """
 
 import numpy as np
@@ -80,22 +82,51 @@ def _on_host(op):
     return tf.DeviceSpec.from_string(op.device).device_type == "CPU"
 
 
-def _assert_waits_through_host_copy(reading, tensors):
+def _ancestors(op):
+    """Ops that `op` waits for, by data or control edges."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for producer in [t.op for t in current.inputs] + list(
+            current.control_inputs
+        ):
+            if producer not in seen:
+                seen.add(producer)
+                stack.append(producer)
+    return seen
+
+
+def _crossings(reading):
+    """The tensors that cross from a device into the host side of
+    `reading` (the data edges into its host-placed ancestors)."""
+    host_side, _ = _data_ancestors(reading.op, _on_host)
+    return [
+        tensor
+        for op in host_side | {reading.op}
+        for tensor in op.inputs
+        if not _on_host(tensor.op)
+    ]
+
+
+def _assert_waits_through_host_copy(reading, tensors, devices=(GPU,)):
     clock_op = reading.op
     assert clock_op.device == HOST
-    # On the host side of the clock: its input's producers on the host
-    # CPU; where a producer is on the device, a device-to-host copy.
-    host_side, device_side = _data_ancestors(clock_op, _on_host)
-    assert device_side, "no data edge from the device into the clock"
-    assert all(op.device == GPU for op in device_side)
-    reached = set(device_side)
-    for op in device_side:
-        reached |= _data_ancestors(op, lambda _: True)[0]
+    crossings = _crossings(reading)
+    # One float32 element per device: int32 would sit in host memory and
+    # reach the host with no wait for the device's stream.
+    assert sorted(t.op.device for t in crossings) == sorted(devices)
+    for tensor in crossings:
+        assert tensor.dtype == tf.float32, (
+            f"{tensor.name} ({tensor.dtype.name}) crosses to the host clock"
+        )
+        assert tensor.shape.num_elements() == 1
+    reached = set()
+    for tensor in crossings:
+        reached |= {tensor.op} | _ancestors(tensor.op)
     for tensor in tensors:
-        assert tensor.device == GPU
-        assert tensor.op not in host_side
+        assert tensor.device in devices
         assert tensor.op in reached, (
-            f"{tensor.name} does not reach the clock by data edges"
+            f"{tensor.name} is not waited for by a copy to the host"
         )
 
 
@@ -123,15 +154,14 @@ def test_end_clock_waits_for_every_gradient_through_a_host_copy(monkeypatch):
     # The start: the step's rows, a value of the device's, host-copied.
     assert start.op.device == HOST
     _assert_waits_through_host_copy(start, [start_deps[0]])
-    # The forward pass starts after the start reading.
-    assert start.op in _control_ancestors(end.graph, start.op)
-
-
-def _control_ancestors(graph, op):
-    """Ops that have `op` as a control input."""
-    return {op} | {
-        other for other in graph.get_operations() if op in other.control_inputs
-    }
+    # The forward pass starts after the start reading: every matmul of the
+    # step (the forward pass's first is on the input) waits for it.
+    matmuls = [op for op in end.graph.get_operations() if op.type == "MatMul"]
+    assert matmuls
+    for matmul in matmuls:
+        assert start.op in _ancestors(matmul), (
+            f"{matmul.name} may run before the start reading"
+        )
 
 
 def test_host_replica_clock_takes_no_extra_ops(monkeypatch):
@@ -153,24 +183,22 @@ def test_device_token_copies_once_per_device():
     """Pipeline stages: gradients on several devices, one device-to-host
     copy from each, all waited for."""
     devices = [GPU, f"{TASK}/device:GPU:1"]
-    readings = []
+    readings, tensors = [], []
 
     @tf.function
     def token():
-        tensors = []
         for index, device in enumerate(devices):
             with tf.device(device):
-                tensors += [tf.ones([3, 2]) * index, tf.ones([5], tf.int32)]
+                tensors.extend(
+                    [tf.ones([3, 2]) * index, tf.ones([5], tf.int32)]
+                )
         with tf.device(devices[0]):
             readings.append(telemetry.clock(tensors))
         return readings[0]
 
     token.get_concrete_function()
     (reading,) = readings
-    host_side, device_side = _data_ancestors(reading.op, _on_host)
-    assert sorted(op.device for op in device_side) == devices
-    assert all(op.type == "ConcatV2" for op in device_side)
-    assert reading.op.device == HOST
+    _assert_waits_through_host_copy(reading, tensors, devices)
 
 
 def test_clock_rejects_no_dependencies():
@@ -225,3 +253,57 @@ def test_fit_on_ragged_input_matches_keras_model():
         model.fit(x, y, batch_size=4, epochs=3, verbose=0)
     for mine, theirs in zip(hetero.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5)
+
+
+def _parameter_server_step(end_reading):
+    """A step traced as a parameter-server closure runs it: a start
+    reading, the forward pass, the logs, the optimizer's update, then
+    `end_reading(start, logs, variables)`; returns the end reading's
+    Timestamp op and the update's ops."""
+    model = _model()
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(variables)
+    readings = []
+
+    @tf.function
+    def closure(x, y):
+        start = tf.timestamp()
+        with tf.GradientTape() as tape:
+            predictions = model(x, training=True)
+            loss = tf.reduce_mean(tf.square(predictions - y))
+        logs = {"loss": loss}
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, variables), variables)
+        )
+        written = [*variables, optimizer.iterations]
+        readings.append((start, end_reading(start, logs, written)))
+        return readings[0][1]
+
+    spec = (tf.TensorSpec([None, 3]), tf.TensorSpec([None, 1]))
+    graph = closure.get_concrete_function(*spec).graph
+    (start, seconds) = readings[0]
+    (end,) = [
+        op
+        for op in _ancestors(seconds.op)
+        if op.type == "Timestamp" and op is not start.op
+    ]
+    # The update's writes: the variables' and the optimizer's iterations.
+    updates = [
+        op
+        for op in graph.get_operations()
+        if op.type.startswith(("ResourceApply", "Assign"))
+    ]
+    return end, updates
+
+
+def test_parameter_server_clock_reads_after_the_update():
+    """A parameter-server closure's seconds include its update (its logs
+    exist before the update: the metrics read the predictions)."""
+    from keras_hetero.training.parameter_server import closure_seconds
+
+    end, updates = _parameter_server_step(closure_seconds)
+    assert len(updates) >= 4  # at least two kernels and two biases
+    waited = _ancestors(end)
+    for update in updates:
+        assert update in waited, f"{update.name} may end after the reading"
