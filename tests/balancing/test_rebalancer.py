@@ -79,6 +79,7 @@ def test_each_example_trains_exactly_once_per_epoch_while_shares_move():
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_multi_worker_rebalancing_is_identical_everywhere_and_exact():
     rows = 24 * 20 + 5
     results = kh.testing.run_workers(

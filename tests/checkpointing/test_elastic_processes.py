@@ -231,6 +231,15 @@ EPOCHS = 3
 # also replay steps trained after the newest checkpoint, and a
 # ShardRebalancer moves the shares (worker 0 is simulated slower).
 SYNC = ["--save-every", "1", "--sync-save"]
+# The input kinds differ below Keras (the pipeline and its resume position):
+# CI (`make test`) kills `kh.data.shard` under both flavours and arrays under
+# Keras 3 (each kind's flavour-specific entry is tested in-process under both
+# flavours); the file-backed kinds run in `make test-all`.
+KILL_MARKS = {
+    "shard": pytest.mark.both_flavours,
+    "arrow": pytest.mark.extended,
+    "tfrecord": pytest.mark.extended,
+}
 KILLS = {
     "shard": ("1,10,11,17,20", SYNC),
     "arrays": ("2,10,21", SYNC),
@@ -275,13 +284,7 @@ def _run_killed(tmp_path, kind, faults, save, name="out"):
 @pytest.mark.parametrize(
     "kind",
     [
-        # The input kinds differ below Keras (the pipeline and its resume
-        # position); under tf-keras in CI `kh.data.shard` stands for them
-        # (each kind's flavour-specific entry is tested in-process under
-        # both flavours).
-        pytest.param(kind, marks=pytest.mark.both_flavours)
-        if kind == "shard"
-        else kind
+        pytest.param(kind, marks=KILL_MARKS.get(kind, ()))
         for kind in sorted(KILLS)
     ],
 )
@@ -362,8 +365,8 @@ def _fit_in_order(model, order, batch):
     "after, kind, batch",
     [
         (3, "shard", BATCH),
-        (1, "arrays", BATCH),
-        (3, "shard", 12),
+        pytest.param(1, "arrays", BATCH, marks=pytest.mark.extended),
+        pytest.param(3, "shard", 12, marks=pytest.mark.extended),
     ],
     ids=["2to3-shuffled", "2to1-arrays", "2to3-batch12-scale_learning_rate"],
 )

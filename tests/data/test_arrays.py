@@ -407,6 +407,7 @@ def test_small_batch_size_names_the_argument():
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_multi_worker_array_input_is_exact_and_shuffles_alike():
     rows = 24 * 10 + 5
     first, second = (

@@ -643,6 +643,7 @@ def test_two_hosts_with_2_and_1_workers_train_like_one_device(tmp_path):
 
 @pytest.mark.slow
 @needs_namespaces
+@pytest.mark.extended  # CI: the rejoin and shrink cases
 def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
     # --nnodes 2:3; ranks 0, 1, 2 have 1, 2, 1 (fake) GPUs, so 1, 2, 1
     # workers with --workers-per-host auto. Host 1 (workers 1

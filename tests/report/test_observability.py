@@ -184,6 +184,7 @@ def test_only_the_chief_writes(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_only_the_chief_writes_with_two_worker_processes(tmp_path):
     results = kh.testing.run_workers(
         training_workers.observe_mwms, 2, timeout=240, args=(str(tmp_path),)

@@ -198,6 +198,7 @@ def test_import_without_pyspark_names_the_extra():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the barrier-stage training job
 def test_example_script_trains(tmp_path):
     # Its own local Spark (a second driver JVM), 2 workers, 1 epoch.
     if not _has_java():

@@ -89,6 +89,7 @@ def _early_stopping_epoch(values, min_delta, patience):
     return None
 
 
+@pytest.mark.both_flavours
 def test_tutorial_callbacks_write_from_the_chief_and_resume_exactly(tmp_path):
     root = tmp_path / "root"
     reference_out = tmp_path / "reference"

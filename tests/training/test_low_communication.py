@@ -354,8 +354,8 @@ def test_float16_loss_scaling_is_refused():
 @pytest.mark.parametrize(
     "num_workers, shares, sync_every, spe",
     [
-        (2, [0.75, 0.25], 1, 1),
-        (2, [0.75, 0.25], 3, 1),
+        pytest.param(2, [0.75, 0.25], 1, 1, marks=pytest.mark.extended),
+        pytest.param(2, [0.75, 0.25], 3, 1, marks=pytest.mark.both_flavours),
         (3, [0.5, 0.3, 0.2], 2, 2),
     ],
     ids=["2w-sync_every_1", "2w-sync_every_3", "3w-sync_every_2-spe_2"],

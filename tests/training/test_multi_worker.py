@@ -13,11 +13,11 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     "num_workers, shares, steps_per_execution",
     [
-        (2, [0.75, 0.25], 1),
+        pytest.param(2, [0.75, 0.25], 1, marks=pytest.mark.both_flavours),
         (2, [1.0, 0.0], 1),
         (3, [0.5, 0.3, 0.2], 1),
         # 5 batches per epoch: calls of 2, 2 and 1 steps.
-        (3, [0.5, 0.3, 0.2], 2),
+        pytest.param(3, [0.5, 0.3, 0.2], 2, marks=pytest.mark.both_flavours),
     ],
     ids=["2w-75_25", "2w-100_0", "3w-50_30_20", "3w-50_30_20-2_per_call"],
 )
@@ -70,6 +70,7 @@ def test_fit_evaluate_predict_match_single_device(
             assert value["input_reduces_in_fit"] == 0
 
 
+@pytest.mark.both_flavours
 def test_bucketed_all_reduce_between_workers_matches_single_device():
     # 16 bytes a bucket: three collectives per step between the workers,
     # the telemetry and metrics in the last (tests/training/test_buckets.py).
@@ -93,6 +94,7 @@ def test_bucketed_all_reduce_between_workers_matches_single_device():
         assert value["rows"].tolist() == [6, 2]  # the last batch: 8 rows
 
 
+@pytest.mark.both_flavours
 def test_each_example_reaches_exactly_one_replica_once():
     shares = [0.7, 0.3]
     results = kh.testing.run_workers(
@@ -118,9 +120,9 @@ def test_each_example_reaches_exactly_one_replica_once():
     "kind, steps_per_execution, rows",
     [
         ("tf.data", 1, 72),
-        ("tf.data", 3, 96),
+        pytest.param("tf.data", 3, 96, marks=pytest.mark.both_flavours),
         ("tf.data", 3, 72),
-        ("shard", 1, 72),
+        pytest.param("shard", 1, 72, marks=pytest.mark.both_flavours),
         ("shard", 3, 96),
     ],
     ids=[

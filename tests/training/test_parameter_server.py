@@ -94,6 +94,7 @@ def _wait_until_listening(address, timeout=120):
     raise TimeoutError(f"nothing listens on {address} after {timeout}s")
 
 
+@pytest.mark.both_flavours
 def test_fit_evaluate_save_load_and_per_worker_telemetry(tmp_path):
     with _coordinator("fit_evaluate_save", (str(tmp_path),)) as (
         _,
@@ -200,7 +201,13 @@ def test_arguments_without_meaning_under_parameter_server_are_refused():
     }
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 2])
+@pytest.mark.parametrize(
+    "steps_per_execution",
+    [
+        pytest.param(1, marks=pytest.mark.both_flavours),
+        pytest.param(2, marks=pytest.mark.extended),
+    ],
+)
 def test_elastic_checkpoint_resumes_at_the_saved_step(
     tmp_path, steps_per_execution
 ):

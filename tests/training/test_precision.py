@@ -124,6 +124,7 @@ def test_auto_on_this_machine_is_float32():
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_inf_on_one_worker_skips_the_step_on_every_worker():
     from tests.support import training_workers
 

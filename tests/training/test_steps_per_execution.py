@@ -269,6 +269,7 @@ def test_hang_watchdog_keeps_one_progress_mark_per_worker(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_multi_worker_epochs_of_unknown_length():
     results = kh.testing.run_workers(
         training_workers.unknown_length_mwms,
