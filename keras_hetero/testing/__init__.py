@@ -19,8 +19,8 @@ from keras_hetero.testing.cpu_quota import ThrottleCompute
 from keras_hetero.testing.cpu_quota import cpu_quota_available
 from keras_hetero.testing.cpu_quota import throttle_compute_threads
 from keras_hetero.testing.devices import logical_cpus
-from keras_hetero.testing.fleet import emulated_fleet
 from keras_hetero.testing.devices import mirrored
+from keras_hetero.testing.fleet import emulated_fleet
 from keras_hetero.testing.network import NetworkHosts
 from keras_hetero.testing.network import network_available
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
