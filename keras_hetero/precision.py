@@ -68,17 +68,24 @@ def _rank(device):
     return 0
 
 
-def resolve(precision, strategy=None):
+def resolve(precision, strategy=None, settings=None):
     """`precision` as a Keras policy name ("auto" resolved for `strategy`).
 
     Under MultiWorkerMirroredStrategy across workers, every worker must
     call this (as `compile` and `set_precision` do): the workers exchange
-    their device descriptions and `precision`, so "auto" resolves from
-    ALL workers' devices and every worker gets the same policy.
+    their device descriptions, `precision` and `settings` in one
+    all-gather, so "auto" resolves from ALL workers' devices and every
+    worker gets the same policy.
+
+    Args:
+        precision: A name `check_precision` accepts.
+        strategy: The job's strategy. Defaults to the current one.
+        settings: More `{name: JSON value}` that must match between the
+            workers (e.g. the model's compute dtypes). Defaults to `None`.
 
     Raises:
         ValueError: For an unknown name, or (on every worker) if the
-            workers were given different `precision`s.
+            workers were given different `precision`s or `settings`.
     """
     check_precision(precision)
     strategy = strategy or tf.distribute.get_strategy()
@@ -87,7 +94,7 @@ def resolve(precision, strategy=None):
             "devices": [
                 d.to_dict() for d in devices_lib.describe_replicas(strategy)
             ],
-            "settings": {"precision": precision},
+            "settings": {"precision": precision, **(settings or {})},
         }
         records = _agreement.exchange(strategy, record)
         _agreement.check_settings(records, "the precision policy")
