@@ -81,26 +81,28 @@ def mismatched_fits(settings=None):
         )
 
     with strategy.scope():
-        model = helpers.hetero_model(steps_per_execution=1 + worker)
+        model = helpers.hetero_model()
         # Built at its first step: its weights' shapes follow the input.
         lazy = helpers.compile_model(
             kh.HeteroSequential(helpers.seeded_layers())
         )
     cases = {
-        "steps_per_execution": (model, shard()),
-        "global batch size": (model, shard(32 * (1 + worker))),
-        "shuffle seed": (model, shard(shuffle=True, seed=1 + worker)),
-        "examples": (lazy, shard(features=5 - worker)),
+        "steps_per_execution": (model, shard),
+        "global batch size": (model, lambda: shard(32 * (1 + worker))),
+        "shuffle seed": (model, lambda: shard(shuffle=True, seed=1 + worker)),
+        "examples": (lazy, lambda: shard(features=5 - worker)),
     }
     errors = {}
     for setting, (fitted, dataset) in cases.items():
         if settings is not None and setting not in settings:
             continue
+        if setting == "steps_per_execution":
+            helpers.compile_model(model, steps_per_execution=1 + worker)
         try:
-            fitted.fit(dataset, epochs=1, verbose=0)
+            fitted.fit(dataset(), epochs=1, verbose=0)
             errors[setting] = None
         except ValueError as error:
             errors[setting] = str(error)
         if setting == "steps_per_execution":
-            helpers.compile_model(model)  # one step per call from now on
+            helpers.compile_model(model)
     return {"errors": errors, "built": lazy.built}
