@@ -66,6 +66,7 @@ def mismatched_fits(settings=None):
     import tensorflow as tf
 
     import keras_hetero as kh
+    from keras_hetero import _compat
     from keras_hetero import _distribute
     from tests.support import helpers
 
@@ -93,11 +94,13 @@ def mismatched_fits(settings=None):
         "examples": (lazy, lambda: shard(features=5 - worker)),
     }
     errors = {}
+    compiled_steps_per_execution = None
     for setting, (fitted, dataset) in cases.items():
         if settings is not None and setting not in settings:
             continue
         if setting == "steps_per_execution":
             helpers.compile_model(model, steps_per_execution=1 + worker)
+            compiled_steps_per_execution = _compat.steps_per_execution(model)
         try:
             fitted.fit(dataset(), epochs=1, verbose=0)
             errors[setting] = None
@@ -105,4 +108,8 @@ def mismatched_fits(settings=None):
             errors[setting] = str(error)
         if setting == "steps_per_execution":
             helpers.compile_model(model)
-    return {"errors": errors, "built": lazy.built}
+    return {
+        "errors": errors,
+        "built": lazy.built,
+        "steps_per_execution": compiled_steps_per_execution,
+    }
