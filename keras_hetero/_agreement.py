@@ -11,6 +11,7 @@ worker, naming each setting that differs, the workers and their values.
 
 import hashlib
 import json
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -89,12 +90,24 @@ def decode(words):
 def _gather_rows(strategy, words):
     """One row of `words` per global replica (a worker's replicas all send
     its words)."""
-    value = tf.constant(words[None, :])
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda _: value
-    )
-    gathered = strategy.gather(per_replica, axis=0)
+    gather = _GATHERS.get(strategy)
+    if gather is None:
+        # Traced once per strategy (the words have a fixed shape): an eager
+        # gather builds its collective anew at every call.
+        @tf.function
+        def gather(value):
+            per_replica = strategy.experimental_distribute_values_from_function(
+                lambda _: tf.identity(value)
+            )
+            return strategy.gather(per_replica, axis=0)
+
+        _GATHERS[strategy] = gather
+    gathered = gather(tf.constant(words[None, :]))
     return np.asarray(gathered).reshape(-1, len(words))
+
+
+# The traced gather of each live strategy.
+_GATHERS = weakref.WeakKeyDictionary()
 
 
 def digest(value):
