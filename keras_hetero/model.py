@@ -298,8 +298,16 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _compat.skip_optimizer_all_reduce(
             self.optimizer, self.distribute_strategy
         )
+        # Under MultiWorkerMirroredStrategy the workers agree here (one
+        # exchange): the loss scale below makes variables on every worker
+        # or on none.
         policy = precision_lib.resolve(
-            settings.precision, self.distribute_strategy
+            settings.precision,
+            self.distribute_strategy,
+            settings={
+                "compute dtypes": sorted(precision_lib.compute_dtypes(self)),
+                "auto_scale_loss": kwargs.get("auto_scale_loss", True),
+            },
         )
         needs_scaling = precision_lib.check_model(self, policy)
         run = state.run_state(self)

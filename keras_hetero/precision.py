@@ -2,10 +2,13 @@
 behind `precision="auto"`.
 
 Every replica runs the same graph with the same variables, so a job has one
-precision. "auto" picks the fastest one that every device runs well:
+precision. "auto" picks the fastest one that every device of the job runs
+well, from each device's description (`keras_hetero.devices.describe`;
+under MultiWorkerMirroredStrategy every worker's, exchanged, so all workers
+pick the same):
 
-- all devices are GPUs of compute capability >= 8.0 (Ampere and newer) or
-  TPUs: `"mixed_bfloat16"` (no loss scaling needed);
+- all devices run bfloat16 fast: GPUs of compute capability >= 8.0
+  (Ampere and newer) or TPUs: `"mixed_bfloat16"` (no loss scaling needed);
 - all are GPUs of compute capability >= 7.0 (Volta, Turing): `"mixed_float16"`
   (HeteroModel scales the loss);
 - anything else (a CPU, an older GPU, an unknown device): `"float32"`.
@@ -13,8 +16,9 @@ precision. "auto" picks the fastest one that every device runs well:
 
 import tensorflow as tf
 
+from keras_hetero import _agreement
 from keras_hetero import _compat
-from keras_hetero import _distribute
+from keras_hetero import devices as devices_lib
 from keras_hetero._compat import keras
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -24,8 +28,11 @@ def auto_precision(devices):
     """The policy "auto" picks for `devices`.
 
     Args:
-        devices: One `(device_type, compute_capability)` per replica device,
-            e.g. `("GPU", (8, 0))`, `("CPU", None)`, `("TPU", None)`.
+        devices: The job's replica devices: `DeviceDescription`s (what
+            `keras_hetero.devices.describe` returns; `kh.doctor`'s
+            `DeviceReport`s work too), or
+            `(device_type, compute_capability)` pairs such as
+            `("GPU", (8, 0))`, `("CPU", None)`, `("TPU", None)`.
 
     Returns:
         `"float32"`, `"mixed_float16"` or `"mixed_bfloat16"`.
@@ -38,51 +45,70 @@ def auto_precision(devices):
     devices = list(devices)
     if not devices:
         return "float32"
+    return POLICIES[min(_rank(device) for device in devices)]
 
-    def rank(device):
+
+def _rank(device):
+    """2: runs bfloat16 fast; 1: float16 (a GPU of cc >= 7.0); 0: neither."""
+    if hasattr(device, "bfloat16"):  # a description or a doctor's report
+        kind, capability = device.kind, device.compute_capability
+        bfloat16 = device.bfloat16
+    else:
         kind, capability = device
         kind = (kind or "").upper()
-        if kind == "TPU":
-            return 2
-        if kind == "GPU" and capability is not None:
-            if tuple(capability) >= (8, 0):
-                return 2
-            if tuple(capability) >= (7, 0):
-                return 1
-        return 0
-
-    return POLICIES[min(rank(d) for d in devices)]
-
-
-def strategy_devices(strategy):
-    """`(device_type, compute_capability)` of this worker's replica devices."""
-    found = []
-    for name in strategy.extended.worker_devices:
-        spec = tf.DeviceSpec.from_string(name)
-        kind = _distribute.device_type(name)
-        capability = None
-        if kind == "GPU":
-            gpus = tf.config.list_physical_devices("GPU")
-            index = spec.device_index or 0
-            if index < len(gpus):
-                details = tf.config.experimental.get_device_details(gpus[index])
-                capability = details.get("compute_capability")
-        found.append((kind, capability))
-    return found
+        bfloat16 = kind == "TPU" or (
+            kind == "GPU"
+            and capability is not None
+            and tuple(capability) >= (8, 0)
+        )
+    if bfloat16:
+        return 2
+    if kind == "GPU" and capability is not None and tuple(capability) >= (7, 0):
+        return 1
+    return 0
 
 
-def resolve(precision, strategy=None):
+def resolve(precision, strategy=None, settings=None):
     """`precision` as a Keras policy name ("auto" resolved for `strategy`).
 
+    Under MultiWorkerMirroredStrategy across workers, every worker must
+    call this (as `compile` and `set_precision` do): the workers exchange
+    their device descriptions, `precision` and `settings` in one
+    all-gather, so "auto" resolves from ALL workers' devices and every
+    worker gets the same policy.
+
+    Args:
+        precision: A name `check_precision` accepts.
+        strategy: The job's strategy. Defaults to the current one.
+        settings: More `{name: JSON value}` that must match between the
+            workers (e.g. the model's compute dtypes). Defaults to `None`.
+
     Raises:
-        ValueError: For an unknown name.
+        ValueError: For an unknown name, or (on every worker) if the
+            workers were given different `precision`s or `settings`.
     """
     check_precision(precision)
+    strategy = strategy or tf.distribute.get_strategy()
+    if _agreement.needs_exchange(strategy):
+        record = {
+            "devices": [
+                d.to_dict() for d in devices_lib.describe_replicas(strategy)
+            ],
+            "settings": {"precision": precision, **(settings or {})},
+        }
+        records = _agreement.exchange(strategy, record)
+        _agreement.check_settings(records, "the precision policy")
+        devices = [
+            devices_lib.DeviceDescription.from_dict(d)
+            for worker in records
+            for d in worker["devices"]
+        ]
+    elif precision == "auto":
+        devices = devices_lib.describe_replicas(strategy)
     if precision in (None, "float32"):
         return "float32"
     if precision == "auto":
-        strategy = strategy or tf.distribute.get_strategy()
-        return auto_precision(strategy_devices(strategy))
+        return auto_precision(devices)
     return precision
 
 
@@ -112,8 +138,10 @@ def set_precision(precision, strategy=None):
     Args:
         precision: `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"` or
             `"auto"` (see the module docstring for the rule).
-        strategy: The strategy whose devices "auto" looks at. Defaults to
-            the current one.
+        strategy: The strategy whose devices "auto" looks at (under
+            MultiWorkerMirroredStrategy, every worker's: call this on every
+            worker, inside the scope or with `strategy=`). Defaults to the
+            current one.
 
     Returns:
         The policy name that was set.

@@ -131,6 +131,13 @@ class HeteroDataset:
         return self._source.shuffle_mechanism(self.shuffling)
 
     @property
+    def example_spec(self):
+        """The `element_spec` of the examples given (before `map_fn`), or
+        None for a source that is not a `tf.data.Dataset`."""
+        examples = getattr(self._source, "examples", None)
+        return getattr(examples, "element_spec", None)
+
+    @property
     def seed(self):
         """The shuffle seed: given to `kh.data.shard`, else chosen when
         training starts (the same on every worker), None before that."""

@@ -172,9 +172,7 @@ def doctor(
         devices=tuple(found),
         suggested_shares=suggest_shares(speeds),
         shares_basis=basis,
-        precision=precision_lib.auto_precision(
-            [(d.kind, d.compute_capability) for d in found]
-        ),
+        precision=precision_lib.auto_precision(found),
         model=model_report,
         cluster=cluster,
         versions=(

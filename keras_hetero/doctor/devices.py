@@ -13,8 +13,8 @@ import time
 
 import tensorflow as tf
 
-from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import devices as devices_lib
 from keras_hetero.doctor.report import DeviceReport
 
 TARGET_SECONDS = 0.02
@@ -93,7 +93,9 @@ def _is_this_task(name, task):
 
 
 def describe(name, host):
-    """A `DeviceReport` of device `name` without timings.
+    """A `DeviceReport` of device `name` without timings, from its
+    description (`keras_hetero.devices.describe`, which precision "auto"
+    reads too).
 
     Args:
         name: A full logical device name.
@@ -102,51 +104,21 @@ def describe(name, host):
     Returns:
         A `DeviceReport`.
     """
-    kind = _distribute.device_type(name)
-    if kind != "GPU":
-        return DeviceReport(
-            name=name,
-            kind=kind,
-            description="host CPU" if kind == "CPU" else kind,
-            memory_bytes=host.memory_bytes if kind == "CPU" else None,
-        )
-    index = tf.DeviceSpec.from_string(name).device_index or 0
-    logical = _logical_gpus()
-    physical, memory_limit = (
-        logical[index] if index < len(logical) else (None, None)
-    )
-    details = {}
-    if physical is not None:
-        details = tf.config.experimental.get_device_details(physical) or {}
-    capability = details.get("compute_capability")
-    description = details.get("device_name") or "GPU"
-    if capability is not None:
-        capability = tuple(capability)
-        description += f" (cc {capability[0]}.{capability[1]})"
-    if memory_limit is None:
-        memory_limit = _compat.gpu_memory_limit(index)
+    device = devices_lib.describe(name, cpu_memory_bytes=host.memory_bytes)
+    description = device.model
+    if device.compute_capability is not None:
+        major, minor = device.compute_capability
+        description += f" (cc {major}.{minor})"
+    if device.emulated:
+        description += " [emulated]"
     return DeviceReport(
         name=name,
-        kind=kind,
+        kind=device.kind,
         description=description,
-        compute_capability=capability,
-        memory_bytes=memory_limit,
+        compute_capability=device.compute_capability,
+        memory_bytes=device.memory_bytes,
+        bfloat16=device.bfloat16,
     )
-
-
-def _logical_gpus():
-    """`(physical device, memory limit in bytes or None)` per logical GPU,
-    in logical order (a physical GPU may be split into several)."""
-    logical = []
-    for physical in tf.config.list_physical_devices("GPU"):
-        configs = tf.config.get_logical_device_configuration(physical)
-        if not configs:
-            logical.append((physical, None))
-            continue
-        for config in configs:
-            limit = getattr(config, "memory_limit", None)
-            logical.append((physical, None if limit is None else limit << 20))
-    return logical
 
 
 def available_memory(device, host, cpu_devices):

@@ -76,6 +76,7 @@ class DeviceReport:
             holds (weights, gradients, optimizer state and activations);
             else None.
         notes: Findings in words.
+        bfloat16: Whether the device computes in bfloat16 at full speed.
     """
 
     name: str
@@ -91,6 +92,7 @@ class DeviceReport:
     clock_trusted: bool = None
     max_rows: int = None
     notes: tuple = ()
+    bfloat16: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

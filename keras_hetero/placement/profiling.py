@@ -608,26 +608,23 @@ def _sum(tensors):
 
 
 def _device_memory(device):
-    """Free bytes of a device with a configured memory limit, else None."""
+    """Free bytes of an accelerator whose memory its description knows,
+    else None (a CPU's memory is the host's, shared)."""
     import tensorflow as tf
 
-    kind, index = _local_key(device)
+    from keras_hetero import devices as devices_lib
+
+    kind, _ = _local_key(device)
     if kind == "CPU":
         return None
+    total = devices_lib.describe(_with_prefix(device)).memory_bytes
     try:
         used = tf.config.experimental.get_memory_info(_with_prefix(device))
     except ValueError:
         return None
-    limits = []
-    for physical in tf.config.list_physical_devices(kind):
-        configured = tf.config.get_logical_device_configuration(physical)
-        limits.extend(
-            [c.memory_limit for c in configured] if configured else [None]
-        )
-    if index >= len(limits) or limits[index] is None:
+    if total is None:
         return None
-    # The limit is in MiB.
-    return max(0, int(limits[index]) * 2**20 - int(used["current"]))
+    return max(0, int(total) - int(used["current"]))
 
 
 def _check_profile(measured):

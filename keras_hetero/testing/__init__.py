@@ -7,7 +7,10 @@ only).
 comes from it. The CPU quota harness is real: `run_workers(...,
 cpu_quotas=..., cores=...)` pins worker processes to cores and caps each
 with a Linux cgroup (`CpuQuota`, `ThrottleCompute`, `ThrottleAt`; root
-only), so a capped worker really computes slower.
+only), so a capped worker really computes slower. `emulated_fleet` is a
+test seam: workers describe their devices as a given fleet's (an "A100", a
+"T4"), so cluster-wide decisions such as precision "auto" run as on that
+fleet.
 """
 
 from keras_hetero.testing.cpu_quota import CpuQuota
@@ -17,6 +20,7 @@ from keras_hetero.testing.cpu_quota import cpu_quota_available
 from keras_hetero.testing.cpu_quota import throttle_compute_threads
 from keras_hetero.testing.devices import logical_cpus
 from keras_hetero.testing.devices import mirrored
+from keras_hetero.testing.fleet import emulated_fleet
 from keras_hetero.testing.network import NetworkHosts
 from keras_hetero.testing.network import network_available
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
@@ -36,6 +40,7 @@ __all__ = [
     "WorkerError",
     "WorkerResult",
     "cpu_quota_available",
+    "emulated_fleet",
     "free_ports",
     "logical_cpus",
     "mirrored",

@@ -15,7 +15,9 @@ and its Keras surface, each method a call into a module here.
   `parameter_server`: the same three under ParameterServerStrategy (one
   closure per worker); `keras_callbacks`: Keras' own file-writing
   callbacks write from the chief only under multi-worker Keras 3;
-  `batch_statistics`: what `fit` warns about batch normalisation.
+  `batch_statistics`: what `fit` warns about batch normalisation;
+  `agreement`: the check at the start of `fit` that every worker of a
+  multi-worker job trains with the same settings.
 - `options.Settings`: the model's settings, defined once (immutable);
   `state`: the one way the package reaches a model's settings and
   run-time state; `runtime`: creates that state when first needed and

@@ -15,6 +15,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import agreement
 from keras_hetero.training import batch_statistics
 from keras_hetero.training import keras_callbacks
 from keras_hetero.training import low_communication
@@ -46,6 +47,7 @@ def _fit(model, keras_fit, x, y, args, kwargs):
     converted = arrays.fit_arguments(model, x, y, args, kwargs)
     if converted is not None:
         x, y, args, kwargs = converted.pop("x"), None, (), converted
+    arguments = agreement.fit_arguments(kwargs)
     dataset = x
     class_weight = None
     repeat = False
@@ -65,6 +67,9 @@ def _fit(model, keras_fit, x, y, args, kwargs):
                 )
         # One iterator for the whole `fit` where the epochs stay the same.
         repeat = _compat.repeats_sharded_input(model, x, kwargs)
+    # Before anything else communicates: a setting that differs between
+    # workers raises here on every worker instead of hanging a collective.
+    agreement.check_fit(model, x, arguments)
     batch_statistics.check_batch_normalization(
         model, dataset, kwargs.get("callbacks")
     )

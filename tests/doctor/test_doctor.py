@@ -34,6 +34,7 @@ REPORT_KEYS = {
     "versions",
 }
 DEVICE_KEYS = {
+    "bfloat16",
     "name",
     "kind",
     "description",

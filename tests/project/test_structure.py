@@ -210,6 +210,8 @@ LAYERS = (
         "keras_hetero._compat",
         "keras_hetero._batches",
         "keras_hetero._distribute",
+        "keras_hetero._agreement",
+        "keras_hetero.devices",
         "keras_hetero.timeouts",
         "keras_hetero.precision",
     ),
