@@ -77,6 +77,7 @@ def test_the_fingerprint_holds_what_must_match():
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_an_emulated_a100_t4_cpu_fleet_resolves_one_precision_everywhere():
     # A100 + T4: float16 (with loss scaling) on every worker, where each
     # worker alone would pick bfloat16 / float16; with a CPU: float32.
@@ -106,6 +107,7 @@ def test_an_emulated_a100_t4_cpu_fleet_resolves_one_precision_everywhere():
 
 
 @pytest.mark.slow
+@pytest.mark.both_flavours
 def test_settings_that_differ_raise_on_every_worker_before_step_one():
     results = kh.testing.run_workers(
         agreement_workers.mismatched_fits, 2, timeout=240
