@@ -135,34 +135,25 @@ test-quick-legacy: $(STAMP)
 ## suite and one real multi-worker job, Keras 3 then tf-keras.
 test-oldest: test-oldest-keras3 test-oldest-legacy
 
-# Keras 3.10 runs the quick suite but the whole-project checks of
-# tests/project (docs pages, examples, structure, manifests), which run in
-# the newest row under both flavours (Colab's user keeps the quickstart),
-# and the folders whose code does not touch Keras or differs in nothing
-# between these releases: the launcher, reports, the test harness, Ray's
-# and Spark's plumbing (they run in the newest row).
-OLDEST_SKIPS := $(addprefix --ignore=tests/project/,test_docs.py \
-	test_docs_site.py test_examples.py test_k8s_manifests.py \
-	test_structure.py test_benchmarks.py) \
-	$(addprefix --ignore=tests/,launcher report testing ray spark)
+# The oldest versions run the quick suite of the folders whose tests cross
+# Keras' training loop, where releases differ (the model, its step and fit,
+# input, checkpoints, the compat layer), and Keras 3.10 the quickstart
+# (Colab's user). The callbacks' scoring and balancing, the planner, reports,
+# the launcher, doctor and harness, and the docs are the same code on every
+# release and run in the newest row under both flavours.
+OLDEST_TESTS := tests/model tests/training tests/data tests/checkpointing \
+	tests/compat
 
 test-oldest-keras3: $(OLD_STAMP)
-	$(OLD_BIN)/python $(PYTEST) tests -m "not slow" $(OLDEST_SKIPS); \
+	$(OLD_BIN)/python $(PYTEST) $(OLDEST_TESTS) \
+		tests/project/test_quickstart.py -m "not slow"; \
 	status=$$?; \
 	$(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)" || status=1; \
 	exit $$status
 
-# tf-keras 2.19 runs the folders whose tests cross Keras' training loop,
-# where its releases differ (the model, its step and fit, input, checkpoints,
-# the compat layer); the callbacks' scoring and balancing, the planner,
-# reports, launcher, doctor and harness are the same code on both tf-keras
-# releases and run under tf-keras 2.21 (the newest row) and Keras 3.10 here.
-OLDEST_LEGACY_TESTS := tests/model tests/training tests/data \
-	tests/checkpointing tests/compat
-
 test-oldest-legacy: $(OLD_STAMP)
 	export TF_USE_LEGACY_KERAS=1; \
-	$(OLD_BIN)/python $(PYTEST) $(OLDEST_LEGACY_TESTS) -m "not slow"; \
+	$(OLD_BIN)/python $(PYTEST) $(OLDEST_TESTS) -m "not slow"; \
 	status=$$?; \
 	$(OLD_BIN)/python -m pytest "$(MULTI_WORKER_TEST)" || status=1; \
 	exit $$status
