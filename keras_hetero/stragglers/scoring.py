@@ -305,9 +305,9 @@ def evaluate(
         individual_excess = (current - compared) * state.rows
     slow = relative < relative_threshold
     lost = individual < threshold
-    # Sustained: even the fastest of the newest readings that set the
-    # median is that slow (a missing reading, NaN, makes the minimum NaN:
-    # not sustained).
+    # Sustained: even the fastest of the newest `window - 1` readings is
+    # that slow (a missing reading, NaN, makes the minimum NaN: not
+    # sustained).
     fastest = np.min(state.readings[-sustained_readings(window) :], axis=0)
     sustained_floor = max(min_excess_seconds, NOISE_MEANS * noise)
     with np.errstate(invalid="ignore"):
@@ -469,8 +469,9 @@ class Scorer:
             costly = (slow & ((current - best) * rows > floor)) | (
                 lost & ((current - compared) * rows > floor)
             )
-            # Sustained (see `evaluate`): the fastest reading of the full
-            # window, taken only for the low replicas the floor spared.
+            # Sustained (see `evaluate`): the fastest of the newest
+            # `window - 1` readings, taken only for the low replicas the
+            # floor spared.
             spared = np.flatnonzero((slow | lost) & ~costly)
             if spared.size:
                 newest_slots = (
