@@ -34,14 +34,25 @@ class StragglerDetector(base.HeteroCallback):
     `keras.Model` it times this worker's train batches from the callbacks: one
     series per worker, so only the individual score is meaningful (coarser).
 
-    Scores (see `kh.straggler`): relative = best replica's seconds per row /
-    this replica's; individual = this replica's baseline / its current value
-    (divided by the same ratio of the least slowed replica when there are
-    others: a slowdown every replica shares is no replica's), both over the
-    median of the last `window` steps. A replica whose individual score
-    stays below `threshold` (or relative score below `relative_threshold`)
-    for `patience` evaluations becomes a straggler; it recovers after
-    `patience` evaluations with both scores back above.
+    Scores (see `kh.straggler`), over the median of the last `window` steps:
+    individual = this replica's own expected time at its current rows (its
+    baseline seconds per row times its rows) / its time, divided by the same
+    ratio of the least slowed replica (a slowdown every replica shares is no
+    replica's); relative = best replica's seconds per row / this replica's.
+    A replica whose individual score stays below `threshold` (or relative
+    score below `relative_threshold`) for `patience` evaluations becomes a
+    straggler; it recovers after `patience` evaluations with both scores
+    back above.
+
+    A slower device is not a straggler; a device slower than itself is.
+    With a `ShardRebalancer` in the `fit` (or `rebalancer=` given), sizing a
+    slower device's share is the rebalancer's job: the relative score is
+    not used unless `relative_threshold` is set, and a fleet that differs
+    from the start raises no event while its shares converge. Without one
+    the shares stay put, so a device slower than the fastest costs every
+    step and the relative score flags it (below `threshold`); on devices
+    that differ by design, set `relative_threshold` below the slowest
+    device's expected ratio (0.25 next to a device 4x faster).
 
     A low score makes a straggler only if it also costs the replica more
     compute per step (against the best replica, or its own baseline) than
@@ -49,18 +60,12 @@ class StragglerDetector(base.HeteroCallback):
     run, in its latest step as well as over the window: on a busy machine,
     steps of a few milliseconds lose whole scheduler time slices at random
     and would otherwise be flagged (see `kh.straggler` for the noise
-    floor). A slowdown that spares no step of the window (even its fastest
-    reading is slow) needs only to exceed `min_excess_seconds` and the
+    floor). A slowdown that spares none of the newest `window - 1` steps
+    (even the fastest is slow) needs only to exceed `min_excess_seconds` and the
     measured delays, not the jitter: a replica under a CPU quota jitters in
     proportion to its slowdown and is still flagged within `window +
-    patience - 1` steps. Recovery needs only the scores back above the
+    patience - 2` steps. Recovery needs only the scores back above the
     thresholds.
-
-    On devices that differ by design (a GPU and a CPU, speeds 1 : 4), the
-    slower device's relative score is its speed ratio (0.25) from the first
-    step: set `relative_threshold` below the slowest device's expected ratio
-    so it is not flagged for what it is, while `threshold` still catches
-    any device slowing down against its own baseline.
 
     Before scoring, it checks that each replica's readings mean device time
     (`keras_hetero.training.clock_check.ClockCheck`): a replica whose clock
@@ -115,7 +120,8 @@ class StragglerDetector(base.HeteroCallback):
         threshold: Score below which a replica is slow, in (0, 1]. Defaults
             to `0.7`.
         relative_threshold: Relative score below which a replica is slow,
-            in (0, 1]; `None` uses `threshold`. Defaults to `None`.
+            in (0, 1]; `None`: not used with a `ShardRebalancer` in the
+            `fit`, `threshold` without one. Defaults to `None`.
         patience: Evaluations in a row before flagging or recovering, >= 1.
             Defaults to `3`.
         action: One of "warn", "rebalance", "checkpoint", "stop", or a list
@@ -223,9 +229,7 @@ class StragglerDetector(base.HeteroCallback):
             )
         self.threshold = float(threshold)
         self.relative_threshold = (
-            self.threshold
-            if relative_threshold is None
-            else float(relative_threshold)
+            None if relative_threshold is None else float(relative_threshold)
         )
         self.patience = patience
         self.min_excess_seconds = float(min_excess_seconds)
@@ -249,8 +253,31 @@ class StragglerDetector(base.HeteroCallback):
         self._pending = None
         self._writer = None
         self._watchdog = None
+        self._rebalanced = False
 
     # --- lifecycle ---------------------------------------------------------
+
+    def prepare_fit(self, context):
+        """Notes whether a callback of this `fit` changes the shares (a
+        `ShardRebalancer`; the `kh.callbacks.HeteroCallback` protocol).
+
+        Args:
+            context: The `kh.callbacks.FitContext` of this `fit`.
+        """
+        self._rebalanced = any(
+            getattr(callback, "changes_shares", False)
+            for callback in context.callbacks
+        )
+
+    def _relative_threshold(self):
+        if self.relative_threshold is not None:
+            return self.relative_threshold
+        if self._rebalanced or self.rebalancer is not None:
+            # A device slower than the others from the start is the
+            # rebalancer's to size, not an event: only a replica slower
+            # than itself (the individual score) is flagged.
+            return 0.0
+        return self.threshold
 
     def on_train_begin(self, logs=None):
         self.events = []
@@ -277,6 +304,8 @@ class StragglerDetector(base.HeteroCallback):
             self._watchdog.start()
 
     def on_train_end(self, logs=None):
+        # The next `fit` may have no rebalancer (its `prepare_fit` says).
+        self._rebalanced = False
         if self._pending is not None:
             # Its probes end within their wait (the others' rows).
             self._release(wait=self._links.wait_seconds + 10)
@@ -337,7 +366,7 @@ class StragglerDetector(base.HeteroCallback):
             seconds,
             threshold=self.threshold,
             patience=self.patience,
-            relative_threshold=self.relative_threshold,
+            relative_threshold=self._relative_threshold(),
             min_excess_seconds=self.min_excess_seconds,
         )
         self._follow_communication(call, seconds, steps, measured, changes)
@@ -498,9 +527,12 @@ class StragglerDetector(base.HeteroCallback):
     # --- events and actions ---------------------------------------------
 
     def _thresholds(self):
-        if self.relative_threshold == self.threshold:
+        relative = self._relative_threshold()
+        if relative == self.threshold:
             return f"{self.threshold:.2f}"
-        return f"{self.threshold:.2f}, relative {self.relative_threshold:.2f}"
+        if not relative:
+            return f"{self.threshold:.2f}, relative not used: rebalanced"
+        return f"{self.threshold:.2f}, relative {relative:.2f}"
 
     def _emit(self, event):
         self.events.append(event)

@@ -36,17 +36,17 @@ straggler recovers when its scores are back above the thresholds, so a
 real one does not flap when noise rises.
 
 A sustained slowdown counts without the jitter term: when even the
-fastest of a replica's last `window` readings (all present) is slower than
-the cost it is compared with by more than `min_excess_seconds` and
-`NOISE_MEANS` times the noise, random delays cannot explain it (they would
-have spared one step in the window), so it is costly whatever the pooled
-deviations. Why: a replica slowed by a CPU quota jitters in proportion to
-its slowdown (0.3 of a core: 53-80 ms steps where 20 ms were), and with
-two replicas its own deviations are half of the pooled ones: the jitter
-term rose to the excess itself (floor 31-46 ms against 37-48 ms lost) and
-a quota drop was flagged 17 steps late on a busy machine. The sustained
-rule flags it within `window + patience - 1` steps of its first slow one,
-however it jitters.
+fastest of a replica's newest `window - 1` readings (all present; see
+`sustained_readings`) is slower than the cost it is compared with by more
+than `min_excess_seconds` and `NOISE_MEANS` times the noise, random delays
+cannot explain it (they would have spared one of those steps), so it is
+costly whatever the pooled deviations. Why: a replica slowed by a CPU
+quota jitters in proportion to its slowdown (0.3 of a core: 53-80 ms steps
+where 20 ms were), and with two replicas its own deviations are half of the
+pooled ones: the jitter term rose to the excess itself (floor 31-46 ms
+against 37-48 ms lost) and a quota drop was flagged 17 steps late on a busy
+machine. The sustained rule flags it within `window + patience - 2` steps
+of its first slow one, however it jitters.
 
 Why: on a loaded 2-core machine (two equal logical CPUs, measured by
 benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
@@ -55,6 +55,12 @@ several steps in a row; and the whole machine's pace drifts 2x within a
 run, so a replica's luckiest window (its baseline) is far from its usual
 pace. Without the floor and the common-mode division, two equal replicas
 were flagged 42-128 times per 1200 steps.
+
+With `relative_threshold=0` the relative score flags nothing: each replica
+is scored against its own expected time at its current rows only (its
+baseline cost per row times its rows), as `StragglerDetector` does with a
+`ShardRebalancer` in the job, whose job a device slower than the others
+is.
 """
 
 import dataclasses
@@ -231,6 +237,18 @@ def noise_floor(state, cost, min_excess_seconds):
     return floor, noise
 
 
+def sustained_readings(window):
+    """How many of the newest readings the sustained check takes.
+
+    One fewer than the window: a slowdown is flagged within `window +
+    patience - 2` slow steps (10 with the detector's defaults). Half the
+    window (the readings that set the median) was too few: on the busy
+    machine model of the tests, delays that hit one replica for a few steps
+    in a row then flagged equal replicas.
+    """
+    return max(window - 1, 1)
+
+
 def _sorted_median(ordered):
     """Median of a sorted, non-empty 1-D array, as `_median` computes it."""
     middle, odd = divmod(len(ordered), 2)
@@ -250,7 +268,8 @@ def evaluate(
     """Scores the window and updates flags.
 
     A replica is low when its individual score is below `threshold` or its
-    relative score below `relative_threshold` (`threshold` if None). It is
+    relative score below `relative_threshold` (`threshold` if None; 0:
+    never). It is
     flagged after `patience` consecutive low evaluations, each with an
     excess time above the noise floor (see the module docstring;
     `min_excess_seconds` is its least value), and recovers after `patience`
@@ -286,9 +305,10 @@ def evaluate(
         individual_excess = (current - compared) * state.rows
     slow = relative < relative_threshold
     lost = individual < threshold
-    # Sustained: even the fastest reading of the full window is that slow
-    # (a missing reading, NaN, makes the minimum NaN: not sustained).
-    fastest = np.min(state.readings, axis=0)
+    # Sustained: even the fastest of the newest `window - 1` readings is
+    # that slow (a missing reading, NaN, makes the minimum NaN: not
+    # sustained).
+    fastest = np.min(state.readings[-sustained_readings(window) :], axis=0)
     sustained_floor = max(min_excess_seconds, NOISE_MEANS * noise)
     with np.errstate(invalid="ignore"):
         relative_costly = (relative_excess > floor) | (
@@ -449,11 +469,17 @@ class Scorer:
             costly = (slow & ((current - best) * rows > floor)) | (
                 lost & ((current - compared) * rows > floor)
             )
-            # Sustained (see `evaluate`): the fastest reading of the full
-            # window, taken only for the low replicas the floor spared.
+            # Sustained (see `evaluate`): the fastest of the newest
+            # `window - 1` readings, taken only for the low replicas the
+            # floor spared.
             spared = np.flatnonzero((slow | lost) & ~costly)
             if spared.size:
-                fastest = np.min(self._readings[spared], axis=1)
+                newest_slots = (
+                    self._next - 1 - np.arange(sustained_readings(self.window))
+                ) % self.window
+                fastest = np.min(
+                    self._readings[np.ix_(spared, newest_slots)], axis=1
+                )
                 least = max(min_excess_seconds, NOISE_MEANS * self.noise)
                 spared_rows = rows[spared]
                 costly[spared] = (

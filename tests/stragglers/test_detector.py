@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import keras_hetero as kh
 from keras_hetero._compat import keras
+from keras_hetero.balancing import core as rebalance
 from tests.conftest import DEVICES
 from tests.support import helpers
 from tests.support import training_workers
@@ -127,10 +128,14 @@ def test_a_1_5x_slowdown_is_flagged_within_10_steps():
 
 
 def test_stop_action_stops_training_and_rebalance_action_moves_shares():
+    # Replica 1 becomes 4x slower than itself at step 5. (A device slower
+    # from the start is no event with a rebalancer in the job.)
     strategy = helpers.mirrored(DEVICES[:2])
-    model, _ = _model(strategy, [0.001, 0.004])
+    model, slow = _model(strategy, [0.001, 0.001])
     data = kh.data.shard(helpers.examples(rows=16 * 40), 16, strategy=strategy)
-    rebalancer = kh.callbacks.ShardRebalancer(data, every_n_steps=1000)
+    rebalancer = kh.callbacks.ShardRebalancer(
+        data, every_n_steps=1000, window=3
+    )
     saved = []
 
     class Saver:
@@ -143,7 +148,12 @@ def test_stop_action_stops_training_and_rebalance_action_moves_shares():
         rebalancer=rebalancer,
         checkpoint=Saver(),
     )
-    model.fit(data, epochs=1, verbose=0, callbacks=[rebalancer, detector])
+    model.fit(
+        data,
+        epochs=1,
+        verbose=0,
+        callbacks=[rebalancer, _SlowDownAt(slow, 5, [0.001, 0.004]), detector],
+    )
     assert detector.events and detector.events[0].replica == 1
     assert saved == [True]
     assert model.optimizer.iterations.numpy() < 40  # stopped early
@@ -368,6 +378,21 @@ class _FedModel:
             detector.on_train_batch_begin(0)
             detector.on_train_batch_end(0)
 
+    def feed_steps(self, detector, steps):
+        """Feeds `(rows, compute_seconds)` per step, one array each."""
+        for rows, compute in steps:
+            self.stats.append(
+                kh.StepStats(
+                    step=len(self.stats) + 1,
+                    steps=1,
+                    rows=rows,
+                    compute_seconds=compute,
+                    devices=[f"/CPU:{i}" for i in range(len(rows))],
+                )
+            )
+            detector.on_train_batch_begin(0)
+            detector.on_train_batch_end(0)
+
 
 def test_detector_reports_a_slow_link_and_leaves_stragglers_alone(caplog):
     model = _FedModel()
@@ -400,3 +425,70 @@ def test_scores_restored_for_another_replica_count_start_afresh():
     model.feed(resumed, 5, 0.02, replicas=3)
     assert resumed.events == []
     assert resumed.get_state()["scores"]["seen"] == 5
+
+
+def _converging_fleet(steps, drop_at=None, seed=0):
+    """Rows and compute seconds of two replicas, replica 1 a device 3.3x
+    slower per row from the start (0.3 of a core), 2x slower again from
+    step `drop_at` on, with shares that a rebalancer sets every 10 steps
+    from the last 10 readings (applied 4 steps later, as `ShardRebalancer`
+    does by default). Simulated: 5% jitter on every step, and 3-6 ms
+    delays on 5% of them."""
+    rng = np.random.default_rng(seed)
+    shares, pending = np.array([0.5, 0.5]), None
+    speeds = rebalance.SpeedWindow.empty(2, 10)
+    fed = []
+    for step in range(1, steps + 1):
+        if pending is not None and step == pending[0]:
+            shares, pending = pending[1], None
+        rows = np.round(shares * 512)
+        seconds_per_row = np.array([0.0001, 0.00033])
+        if drop_at is not None and step > drop_at:
+            seconds_per_row[1] *= 2
+        compute = rows * seconds_per_row * rng.lognormal(0.0, 0.05, 2)
+        compute += (rng.random(2) < 0.05) * rng.uniform(0.003, 0.006, 2)
+        fed.append((rows, compute))
+        speeds = speeds.add(rows, compute)
+        if step % 10 == 0 and step > 2:
+            decided = rebalance.decide(speeds, shares, 512)
+            if decided is not None:
+                pending = (step + 4, decided)
+    return fed
+
+
+def _rebalanced_detector(model, rebalanced=True):
+    detector = kh.callbacks.StragglerDetector()
+    callbacks = [detector]
+    if rebalanced:
+        callbacks.insert(0, kh.callbacks.ShardRebalancer())
+    detector.prepare_fit(kh.callbacks.FitContext(model, None, callbacks, {}))
+    return model.attach(detector)
+
+
+def test_a_slower_device_is_the_rebalancers_and_its_own_slowdown_an_event():
+    # The real quota test's scenario (tests/balancing/test_real_devices.py)
+    # with simulated readings, on the detector's defaults.
+    steady = _FedModel()
+    detector = _rebalanced_detector(steady)
+    steady.feed_steps(detector, _converging_fleet(300))
+    assert detector.events == []
+    # The rebalancer sized the shares to the devices' 1 : 3.3 speeds, and
+    # replica 1 scores low against the fastest: a slower device, not a
+    # straggler.
+    assert steady.stats[-1].rows[1] < 140
+    assert detector.scalars()["straggler/relative_1"] < 0.5
+
+    dropped = _FedModel()
+    detector = _rebalanced_detector(dropped)
+    dropped.feed_steps(detector, _converging_fleet(300, drop_at=100))
+    stragglers = [e for e in detector.events if e.kind == "straggler"]
+    assert [e.replica for e in stragglers] == [1]
+    assert 100 < stragglers[0].step <= 100 + 10
+    assert stragglers[0].individual_score < 0.7
+
+    # Without a rebalancer the shares stay as they are, so a device slower
+    # than the fastest costs every step: the relative score flags it.
+    alone = _FedModel()
+    detector = _rebalanced_detector(alone, rebalanced=False)
+    alone.feed_steps(detector, _converging_fleet(30))
+    assert [(e.replica, e.kind) for e in detector.events] == [(1, "straggler")]
