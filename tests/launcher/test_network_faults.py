@@ -339,7 +339,9 @@ def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
     )
 
 
-@pytest.mark.parametrize("hosts", [2, 3])
+@pytest.mark.parametrize(
+    "hosts", [2, pytest.param(3, marks=pytest.mark.extended)]
+)
 def test_slow_link_is_reported_as_communication_not_a_slow_device(
     tmp_path, hosts
 ):

@@ -155,6 +155,7 @@ def _reported_step(result):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the killed worker and the smaller restart
 def test_ray_run_equals_keras_hetero_run(ray_cluster, launcher_run, tmp_path):
     out = str(tmp_path / "out")
     result = _fit({"out": out}, 2, str(tmp_path / "ray"), "plain")
@@ -205,6 +206,9 @@ def test_killed_worker_restarts_at_the_reported_step(
 
 
 @pytest.mark.slow
+# CI: low-communication kill and resume under the launcher
+# (tests/checkpointing/test_elastic_processes.py).
+@pytest.mark.extended
 def test_low_communication_killed_worker_resumes_exactly(ray_cluster, tmp_path):
     # Each report (every 2 steps) ends the round on every worker and saves
     # each replica's inner optimizer state (SGD momentum): the resumed run
