@@ -457,7 +457,7 @@ def test_sigterm_saves_stops_and_resume_continues_next_step(tmp_path):
 
 @pytest.mark.parametrize(
     "signalled, steps_per_execution",
-    [(1, 1), (0, 2)],
+    [(1, 1), pytest.param(0, 2, marks=pytest.mark.extended)],
     ids=["worker1-alone", "chief-alone-2-steps-per-call"],
 )
 def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(

@@ -320,6 +320,7 @@ def test_cut_shorter_than_the_timeout_continues_without_restart(tmp_path):
     )
 
 
+@pytest.mark.extended  # CI: the cut shorter than the timeout
 def test_flapping_link_finishes_without_a_restart_storm(tmp_path):
     with kh.testing.NetworkHosts(2) as net:
         thread, box, log, out = _start(net, tmp_path)

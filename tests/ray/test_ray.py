@@ -235,6 +235,9 @@ def test_low_communication_killed_worker_resumes_exactly(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+# CI: a resume with another worker count under the launcher
+# (tests/checkpointing/test_elastic_processes.py).
+@pytest.mark.extended
 def test_restart_with_fewer_workers_reshards_exactly(ray_cluster, tmp_path):
     out, storage = str(tmp_path / "out"), str(tmp_path / "ray")
     first = _fit({"out": out, "epochs": 1, "stop_after": 7}, 2, storage, "rs")
