@@ -108,10 +108,11 @@ test-legacy: $(STAMP)
 	$(RUN_SERIAL) "$(LEGACY_CI) and serial" tests; serial=$$?; \
 	[ $$serial = 0 ] || [ $$serial = 5 ] || status=1; exit $$status
 
-## Every test under both flavours, the `extended` cases too: before a
-## release, and before a change to the launcher, the harness or the input
-## kinds lands (docs/versions.md, "CI").
-test-all: test-all-keras3 test-all-legacy
+## Every test under both flavours, the `extended` cases too, and every
+## benchmark script's smoke mode: before a release, and before a change to
+## the launcher, the harness, the input kinds or a benchmark lands
+## (docs/versions.md, "CI").
+test-all: test-all-keras3 test-all-legacy bench-smoke
 
 test-all-keras3: $(STAMP)
 	$(BIN)/python $(PYTEST) tests -m "not serial"; status=$$?; \
