@@ -298,9 +298,8 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         _compat.skip_optimizer_all_reduce(
             self.optimizer, self.distribute_strategy
         )
-        # Under MultiWorkerMirroredStrategy the workers agree here (one
-        # exchange): the loss scale below makes variables on every worker
-        # or on none.
+        # Workers agree here (one exchange under MultiWorkerMirrored): the
+        # loss scale below makes variables on every worker or on none.
         policy = precision_lib.resolve(
             settings.precision,
             self.distribute_strategy,
