@@ -232,11 +232,12 @@ EPOCHS = 3
 # ShardRebalancer moves the shares (worker 0 is simulated slower).
 SYNC = ["--save-every", "1", "--sync-save"]
 # The input kinds differ below Keras (the pipeline and its resume position):
-# CI (`make test`) kills `kh.data.shard` under both flavours and arrays under
-# Keras 3 (each kind's flavour-specific entry is tested in-process under both
-# flavours); the file-backed kinds run in `make test-all`.
+# CI (`make test`) kills `kh.data.shard` under both flavours (each kind's
+# own resume entry is tested in-process under both flavours); arrays and the
+# file-backed kinds run in `make test-all`.
 KILL_MARKS = {
     "shard": pytest.mark.both_flavours,
+    "arrays": pytest.mark.extended,
     "arrow": pytest.mark.extended,
     "tfrecord": pytest.mark.extended,
 }
@@ -316,6 +317,9 @@ def test_killed_at_several_steps_with_shuffling_resumes_exactly(tmp_path, kind):
         assert shares[0] < 0.4, shares
 
 
+# CI: random states resume exactly in-process (tests/data/
+# test_reproducibility.py) and kill -9 resumes exactly (`[shard]` above).
+@pytest.mark.extended
 def test_killed_with_random_augmentation_draws_the_same_numbers(tmp_path):
     # GaussianNoise and Dropout on the features. Under tf-keras the script
     # calls `enable_tf_random_generator()` (docs/checkpoints.md): without

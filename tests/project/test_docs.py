@@ -32,6 +32,9 @@ def test_pages_have_code_or_are_prose():
     assert _code(ROOT / "README.md").strip(), "README must show runnable code"
 
 
+# A process per page (5-50 s each): `slow`, so CI runs the pages under Keras
+# 3 and `make test-all` under both flavours.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "page",
     [p for p in PAGES if _code(p).strip()],

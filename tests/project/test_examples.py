@@ -111,6 +111,9 @@ def test_example_has_main_and_docstring(path):
     )
 
 
+# Each example runs in its own process (10-40 s): `slow`, so CI runs them
+# under Keras 3 and `make test-all` under both flavours.
+@pytest.mark.slow
 def test_rebalance(output_of):
     out = output_of("test_rebalance")
     assert "SIMULATED" in out
@@ -120,6 +123,7 @@ def test_rebalance(output_of):
     assert number_after(out, "held-out accuracy:") > LEARNED
 
 
+@pytest.mark.slow
 def test_stragglers(output_of):
     out = output_of("test_stragglers")
     assert "slows down 5x (simulated)" in out
@@ -130,6 +134,7 @@ def test_stragglers(output_of):
     assert number_after(out, "held-out accuracy:") > LEARNED
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_exactly(output_of):
     out = output_of("test_checkpoint_resumes_exactly")
     assert "resumed at step 40 (epoch 1, global batch 10)" in out
@@ -137,6 +142,7 @@ def test_checkpoint_resumes_exactly(output_of):
     assert number_after(out, "held-out accuracy:") > LEARNED
 
 
+@pytest.mark.slow
 def test_precision(output_of):
     out = output_of("test_precision")
     assert '"auto" picks float32' in out
@@ -149,6 +155,7 @@ def test_precision(output_of):
     assert all(float(row[3]) > LEARNED for row in rows)
 
 
+@pytest.mark.slow
 def test_placement(output_of):
     out = output_of("test_placement")
     assert "SIMULATED" in out and "bottleneck" in out

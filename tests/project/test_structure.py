@@ -397,6 +397,10 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+# A fresh interpreter and a fork per module (about 40 s): under Keras 3 in CI,
+# both flavours in `make test-all` (under tf-keras the rest of the suite
+# imports every module too).
+@pytest.mark.slow
 def test_each_module_imports_alone_in_a_fresh_interpreter():
     # One fresh interpreter imports TensorFlow and the selected Keras, then
     # forks one child per module; each child imports only its module (so
