@@ -127,7 +127,7 @@ def describe(name, cpu_memory_bytes=None):
             name=name,
             kind=kind,
             model="host CPU",
-            memory_bytes=cpu_memory_bytes or _physical_memory(),
+            memory_bytes=cpu_memory_bytes or physical_memory(),
         )
     if kind != "GPU":
         return DeviceDescription(
@@ -236,7 +236,9 @@ def _logical_gpus():
     return logical
 
 
-def _physical_memory():
+def physical_memory():
+    """The host's physical memory in bytes, or None where the system does
+    not say."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

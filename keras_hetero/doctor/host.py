@@ -7,6 +7,7 @@ TensorFlow starts and testable on fake files.
 import os
 import socket
 
+from keras_hetero import devices
 from keras_hetero.doctor.report import HostReport
 
 # cgroup v1 reports "no limit" as a huge page-aligned number.
@@ -29,7 +30,7 @@ def host_report(proc="/proc", cgroup_root="/sys/fs/cgroup"):
     memory = meminfo.get("MemTotal")
     available = meminfo.get("MemAvailable")
     if memory is None:
-        memory = _sysconf_memory()
+        memory = devices.physical_memory()
     limit, usage = cgroup_memory(cgroups, cgroup_root)
     if limit is not None:
         memory = limit if memory is None else min(memory, limit)
@@ -177,13 +178,6 @@ def _cpu_model(text):
         if name.strip() in ("model name", "Model", "cpu model"):
             return value.strip() or None
     return None
-
-
-def _sysconf_memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _read(path):
