@@ -156,7 +156,12 @@ def describe(name, cpu_memory_bytes=None):
 def describe_replicas(strategy):
     """A `DeviceDescription` of each of this process's replica devices of
     `strategy` (under MultiWorkerMirroredStrategy: this worker's only)."""
-    return [describe(name) for name in strategy.extended.worker_devices]
+    if _distribute.is_multi_worker(strategy):
+        names = strategy.extended.worker_devices
+    else:
+        # Handles the default strategy (no `worker_devices`) too.
+        names = _distribute.global_replica_devices(strategy)
+    return [describe(name) for name in names]
 
 
 def emulated_entry(environ=None):

@@ -164,7 +164,8 @@ def decide(
         min_share: See `balanced_shares`. Defaults to `0.0`.
         max_rows: See `balanced_shares`. Defaults to `None`.
         tolerance: Change only if the predicted step time drops by more than
-            this fraction. Defaults to `0.05`.
+            this fraction (a replica over its `max_rows` moves down
+            whatever the gain). Defaults to `0.05`.
 
     Returns:
         Shares (summing to 1) or None.
@@ -179,8 +180,12 @@ def decide(
         min_share=min_share,
         max_rows=max_rows,
     )
+    over = max_rows is not None and np.any(
+        np.asarray(current_shares, np.float64) * global_batch_size
+        > np.asarray(max_rows, np.float64) + 0.5
+    )
     now = step_seconds(current_shares, spr, global_batch_size)
     then = step_seconds(target, spr, global_batch_size)
-    if now <= then * (1.0 + tolerance):
+    if not over and now <= then * (1.0 + tolerance):
         return None
     return target

@@ -8,7 +8,9 @@ from keras_hetero import _callback_protocol as base
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero.balancing import core as rebalance
+from keras_hetero.balancing import memory
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import state
 from keras_hetero.training import trust_check
 from keras_hetero.training.clock_check import ClockCheck
 
@@ -22,7 +24,9 @@ class ShardRebalancer(base.HeteroCallback):
     seconds of every replica; all workers see the same numbers) and keeps a
     window of each replica's seconds per row. Every `every_n_steps` steps it
     estimates speed as the window median (robust to noise and outliers),
-    proposes shares proportional to speed within `min_share` / `max_rows`,
+    proposes shares proportional to speed within `min_share` and each
+    replica's row cap (`max_rows`: by default what its device's memory is
+    estimated to hold),
     and applies them only if the predicted step time drops by more than
     `tolerance` (so shares do not oscillate). A change applies from the
     global batch `lag` batches after the current one, named explicitly, so
@@ -43,6 +47,24 @@ class ShardRebalancer(base.HeteroCallback):
     a `kh.data.HeteroDataset`, or numpy arrays / tensors, which
     `HeteroModel.fit` shards itself. With one replica there is nothing to
     balance and it does nothing.
+
+    With `max_rows="auto"` (the default), each replica's rows per global
+    batch are capped by what its device's memory is estimated to hold
+    (`keras_hetero.balancing.memory`: the model's weights, gradients and
+    optimizer state, and twice each layer's output per row, with 10% of
+    the memory left free; every worker's devices as exchanged at the start
+    of `fit`, so every worker computes the same caps), worked out at the
+    first decision of each `fit` and kept in `row_caps`. A move never gives
+    a replica more rows than its cap, and a replica that holds more than
+    its cap is moved down at the first decision whatever the gain; when a
+    cap holds a replica below what its speed would give it, one warning
+    (logger `keras_hetero`) names the replica, its device and the
+    estimate. The estimate leaves out TensorFlow's and cuDNN's workspaces:
+    where it is too high for a model, give `max_rows` by hand (the
+    doctor's `max rows*` is the same estimate). A replica whose memory or
+    whose model's per-row bytes are unknown (a subclassed model, whose
+    layers have no symbolic outputs) is not capped; when the caps cannot
+    hold the global batch together, a warning says so and none applies.
 
     It checks that the readings mean device time before it acts on them
     (`keras_hetero.training.clock_check.ClockCheck`): a replica whose
@@ -68,8 +90,10 @@ class ShardRebalancer(base.HeteroCallback):
             caches). Defaults to `2`.
         window: Readings per replica the estimate uses. Defaults to `10`.
         min_share: Lower bound for every share. Defaults to `0.0`.
-        max_rows: Upper bound on a replica's rows per global batch (an int,
-            or one per replica), e.g. for its memory. Defaults to `None`.
+        max_rows: Upper bound on a replica's rows per global batch:
+            `"auto"` (from its device's memory, see above), an int, one
+            int per replica (in global replica order), or None for no
+            bound. Defaults to `"auto"`.
         tolerance: Minimum predicted step-time gain for a change. Defaults
             to `0.05`.
         lag: Global batches between a decision and the first batch it
@@ -83,10 +107,12 @@ class ShardRebalancer(base.HeteroCallback):
         TypeError: If `dataset` is not None or a `kh.data.HeteroDataset`.
         ValueError: For a non-positive `every_n_steps`, `window` or `lag`, a
             negative `warmup_steps`, `min_share` outside `[0, 1/replicas]`,
-            `max_rows` below 1, `tolerance` < 0, or a non-positive
-            `trust_every_n_steps`. At the start of `fit`
-            (without `dataset`): if the input cannot be rebalanced (a
-            `tf.data.Dataset` or generator under several replicas).
+            `max_rows` not "auto", None or rows >= 1, `tolerance` < 0, or a
+            non-positive `trust_every_n_steps`. At the start of `fit`:
+            (without `dataset`) if the input cannot be rebalanced (a
+            `tf.data.Dataset` or generator under several replicas); if
+            `max_rows` given per replica does not name one per replica, or
+            given rows cannot hold the global batch together.
 
     Example:
 
@@ -103,7 +129,7 @@ class ShardRebalancer(base.HeteroCallback):
         warmup_steps=2,
         window=10,
         min_share=0.0,
-        max_rows=None,
+        max_rows="auto",
         tolerance=0.05,
         lag=4,
         trust_every_n_steps=500,
@@ -126,11 +152,7 @@ class ShardRebalancer(base.HeteroCallback):
         if trust_every_n_steps is not None:
             check_int("trust_every_n_steps", trust_every_n_steps, 1)
         _check_min_share(min_share, dataset)
-        if max_rows is not None and np.any(np.asarray(max_rows) < 1):
-            raise ValueError(
-                "Invalid value for argument `max_rows`. Received: "
-                f"max_rows={max_rows!r}. Expected None or rows >= 1."
-            )
+        _check_max_rows(max_rows)
         if float(tolerance) < 0:
             raise ValueError(
                 "Invalid value for argument `tolerance`. Received: "
@@ -143,6 +165,7 @@ class ShardRebalancer(base.HeteroCallback):
         self.window = window
         self.min_share = float(min_share)
         self.max_rows = max_rows
+        self._auto = isinstance(max_rows, str)  # "auto", checked above
         self.tolerance = float(tolerance)
         self.lag = lag
         self.trust_every_n_steps = trust_every_n_steps
@@ -200,11 +223,15 @@ class ShardRebalancer(base.HeteroCallback):
         self._clock = None
         self._since_trust = 0
         self._trust_replica = 0
+        self._bound = set()
+        self.row_caps = None
         self.changes = []
         self.clock_findings = []
 
     def on_train_begin(self, logs=None):
         self._reset()
+        if self.dataset is not None and not self._auto:
+            self.row_caps = _given_caps(self.max_rows, self.dataset)
 
     def on_train_batch_end(self, batch, logs=None):
         stats = getattr(self.model, "step_stats", None)
@@ -293,14 +320,23 @@ class ShardRebalancer(base.HeteroCallback):
             speeds = rebalance.SpeedWindow(
                 np.where(self._clock.usable(), speeds.readings, np.nan)
             )
+        if self.row_caps is None and self._auto:
+            self.row_caps = self._auto_caps()
+        caps = None
+        if self.row_caps is not None:
+            caps = np.array(
+                [np.inf if c is None else c for c in self.row_caps], np.float64
+            )
         shares = rebalance.decide(
             speeds,
             self.dataset.shares,
             self.dataset.global_batch_size,
             min_share=self.min_share,
-            max_rows=self.max_rows,
+            max_rows=caps,
             tolerance=self.tolerance,
         )
+        if shares is not None and caps is not None:
+            self._warn_bound(speeds, shares, caps)
         if shares is not None:
             start = self.dataset.set_shares(
                 shares, from_batch=(self._pass, self._pass_steps + self.lag)
@@ -308,6 +344,82 @@ class ShardRebalancer(base.HeteroCallback):
             self.changes.append((self._steps, start, shares))
             self._print_change(start)
         return shares
+
+    def _auto_caps(self):
+        """Each replica's estimated rows, or `[None] * replicas` (no cap)
+        when they cannot hold the global batch (see the class docstring)."""
+        replicas = self.dataset.num_replicas
+        worker_devices = state.run_state(self.model).worker_devices
+        if not worker_devices or sum(map(len, worker_devices)) != replicas:
+            return [None] * replicas
+        caps, self._per_row = memory.replica_caps(self.model, worker_devices)
+        known = [c for c in caps if c is not None]
+        total = self.dataset.global_batch_size
+        if len(known) == replicas and sum(known) < total:
+            logger.warning(
+                "ShardRebalancer: the replicas' memory is estimated to hold "
+                "%d rows per step together (%s), less than the global batch "
+                "of %d; max_rows='auto' caps none of them. Give max_rows "
+                "by hand, or a smaller global batch.",
+                sum(known),
+                " ".join(str(c) for c in caps),
+                total,
+            )
+            return [None] * replicas
+        for replica, (rows, cap) in enumerate(zip(self.dataset.rows, caps)):
+            if cap is not None and rows > cap:
+                logger.warning(
+                    "ShardRebalancer: replica %d (%s) has %d rows per "
+                    "global batch, more than its memory is estimated to "
+                    "hold (%d); it moves down now.",
+                    replica,
+                    self._device_text(replica),
+                    rows,
+                    cap,
+                )
+        return caps
+
+    def _device_text(self, replica):
+        worker_devices = state.run_state(self.model).worker_devices or []
+        described = [d for devices in worker_devices for d in devices]
+        if replica >= len(described):
+            return "its device"
+        device = described[replica]
+        text = device.model
+        if device.memory_bytes is not None:
+            text += f", {device.memory_bytes / 2**30:.1f} GiB"
+        return text
+
+    def _warn_bound(self, speeds, shares, caps):
+        """Warns once a fit for each replica a cap holds below what its
+        speed would give it."""
+        total = self.dataset.global_batch_size
+        free = rebalance.balanced_shares(
+            speeds.seconds_per_row(),
+            self.dataset.shares,
+            total,
+            min_share=self.min_share,
+        )
+        for replica in np.flatnonzero(free * total > caps + 0.5):
+            if replica in self._bound:
+                continue
+            self._bound.add(replica)
+            if self._auto:
+                why = (
+                    "the rows its memory is estimated to hold "
+                    f"(max_rows='auto': {self._per_row} bytes a row)"
+                )
+            else:
+                why = "its max_rows"
+            logger.warning(
+                "ShardRebalancer: replica %d (%s) is held at %d rows per "
+                "global batch, %s; its speed would give it %d.",
+                replica,
+                self._device_text(replica),
+                int(caps[replica]),
+                why,
+                int(round(free[replica] * total)),
+            )
 
     def _print_change(self, start):
         # Keras' progress bar only prints numbers, and tf-keras averages a
@@ -358,6 +470,48 @@ class ShardRebalancer(base.HeteroCallback):
         self._since_decision = int(state["since_decision"])
         if "schedule" in state and self.dataset is not None:
             self.dataset.set_state({"schedule": state["schedule"]})
+
+
+def _check_max_rows(max_rows):
+    if max_rows is None or (isinstance(max_rows, str) and max_rows == "auto"):
+        return
+    values = np.atleast_1d(np.asarray(max_rows, dtype=object))
+    if values.ndim != 1 or not all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+        for v in values
+    ):
+        raise ValueError(
+            "Invalid value for argument `max_rows`. Received: "
+            f"max_rows={max_rows!r}. Expected 'auto', None, rows >= 1, or "
+            "one such int per replica."
+        )
+
+
+def _given_caps(max_rows, dataset):
+    """`max_rows` (None, an int or one per replica) as a list per replica
+    of ints or None; raises when they cannot hold the global batch."""
+    replicas, total = dataset.num_replicas, dataset.global_batch_size
+    if max_rows is None:
+        return None
+    if np.ndim(max_rows) == 0:
+        caps = [int(max_rows)] * replicas
+    else:
+        caps = [int(c) for c in max_rows]
+    if len(caps) != replicas:
+        raise ValueError(
+            "Invalid value for argument `max_rows`. Received: "
+            f"max_rows={max_rows!r}, {len(caps)} value(s) for "
+            f"{replicas} replicas. Expected one per replica (global "
+            "replica order), one int for all, 'auto' or None."
+        )
+    if sum(caps) < total:
+        raise ValueError(
+            "Invalid value for argument `max_rows`. Received: "
+            f"max_rows={max_rows!r}, {sum(caps)} rows together, but each "
+            f"global batch has {total}. Expected caps that hold the global "
+            "batch."
+        )
+    return caps
 
 
 def _check_min_share(min_share, dataset):

@@ -28,6 +28,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import precision as precision_lib
 from keras_hetero._checks import check_positive
+from keras_hetero.balancing import memory as memory_lib
 from keras_hetero.doctor import cluster as cluster_lib
 from keras_hetero.doctor import devices as devices_lib
 from keras_hetero.doctor import host as host_lib
@@ -39,7 +40,6 @@ from keras_hetero.doctor.report import HostReport
 from keras_hetero.doctor.report import ModelReport
 from keras_hetero.doctor.report import PeerReport
 from keras_hetero.doctor.report import clock_verdict
-from keras_hetero.doctor.report import max_rows
 from keras_hetero.doctor.report import suggest_shares
 
 __all__ = [
@@ -234,7 +234,7 @@ def _check_model(model, batch, found, host):
                 step_seconds=timing.step_seconds,
                 clock_seconds=timing.clock_seconds,
                 clock_trusted=trusted,
-                max_rows=max_rows(
+                max_rows=memory_lib.rows_that_fit(
                     memory, timing.state_bytes, timing.activation_bytes_per_row
                 ),
                 notes=device.notes + ((note,) if note else ()),

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_hetero._compat import keras
+from keras_hetero.balancing import memory
 from keras_hetero.training import trust_check
 
 # Rounds of REPEATS host-synchronised calls and a `fit` of FIT_STEPS steps
@@ -192,8 +193,8 @@ def time_step(model, arrays, device):
     return StepTiming(
         step_seconds=max(min(step_timings) - min(trip_timings), 0.0),
         clock_seconds=min(clock_readings),
-        state_bytes=_state_bytes(hetero),
-        activation_bytes_per_row=_activation_bytes_per_row(hetero),
+        state_bytes=memory.state_bytes(hetero),
+        activation_bytes_per_row=memory.activation_bytes_per_row(hetero),
     )
 
 
@@ -239,41 +240,3 @@ def _fit_readings(hetero, arrays):
         return list(readings)
 
     return fit_steps
-
-
-def _state_bytes(hetero):
-    """Weights, their gradients and the optimizer's variables."""
-    variables = getattr(hetero.optimizer, "variables", ())
-    if callable(variables):
-        variables = variables()
-    return (
-        _bytes(hetero.weights)
-        + _bytes(hetero.trainable_weights)
-        + _bytes(variables)
-    )
-
-
-def _bytes(variables):
-    return int(
-        sum(
-            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables
-        )
-    )
-
-
-def _activation_bytes_per_row(hetero):
-    """Twice the bytes of every layer's output per row (kept for the
-    backward pass, and their gradients): an estimate; None if no layer's
-    output is known."""
-    total = 0
-    for layer in hetero.layers:
-        try:
-            outputs = tf.nest.flatten(layer.output)
-        except (AttributeError, ValueError, RuntimeError):
-            continue
-        for output in outputs:
-            shape = list(output.shape[1:])
-            if any(d is None for d in shape):
-                continue
-            total += int(np.prod(shape)) * tf.as_dtype(output.dtype).size
-    return 2 * total or None

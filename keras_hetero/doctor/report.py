@@ -3,8 +3,9 @@
 `DoctorReport.table()` is the terminal view (`keras-hetero doctor`),
 `DoctorReport.to_json()` the machine one (`keras-hetero doctor --json`).
 The decisions drawn from the measurements (`suggest_shares`,
-`clock_verdict`, `max_rows`) are pure functions, testable without
-TensorFlow.
+`clock_verdict`) are pure functions, testable without TensorFlow; the
+rows a device holds are `keras_hetero.balancing.memory.rows_that_fit`'s,
+the estimate `ShardRebalancer(max_rows="auto")` caps shares with.
 """
 
 import dataclasses
@@ -16,8 +17,6 @@ from keras_hetero.training import clock_check
 # The same thresholds as the online trust check during `fit`.
 CLOCK_TRUST_THRESHOLD = clock_check.TRUST_FRACTION
 MIN_JUDGED_SECONDS = clock_check.MIN_JUDGED_SECONDS
-# Memory left free when estimating the rows a device holds.
-MEMORY_HEADROOM = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,31 +293,6 @@ def clock_verdict(clock_seconds, step_seconds):
             "ShardRebalancer and StragglerDetector would misjudge it"
         )
     return True, None
-
-
-def max_rows(memory_bytes, state_bytes, activation_bytes_per_row):
-    """ESTIMATED rows per step that fit in `memory_bytes`.
-
-    Leaves `MEMORY_HEADROOM` of the memory free, takes the model's state,
-    and divides the rest by the bytes per row.
-
-    Args:
-        memory_bytes: The device's memory for this model, or None.
-        state_bytes: Bytes of weights, gradients and optimizer state.
-        activation_bytes_per_row: Bytes each row needs, or None.
-
-    Returns:
-        An int >= 0, or None if a quantity is unknown.
-
-    Example:
-
-    >>> max_rows(1000, 100, 8)  # (0.9 * 1000 - 100) / 8
-    100
-    """
-    if memory_bytes is None or not activation_bytes_per_row:
-        return None
-    free = memory_bytes * (1.0 - MEMORY_HEADROOM) - state_bytes
-    return max(0, int(free // activation_bytes_per_row))
 
 
 def _plain(value):

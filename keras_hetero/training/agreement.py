@@ -40,7 +40,9 @@ def check_fit(model, dataset, arguments):
 
     Every worker must call this at the same point of `fit` (before anything
     else that communicates), under MultiWorkerMirroredStrategy; elsewhere
-    it returns at once.
+    nothing is exchanged. Either way the model's run state gets every
+    worker's replica devices (`RunState.worker_devices`), which the
+    decisions that depend on what a device is read (memory caps).
 
     Args:
         model: The `HeteroModel`.
@@ -54,16 +56,21 @@ def check_fit(model, dataset, arguments):
             their values.
     """
     strategy = model.distribute_strategy
+    run = state.run_state(model)
+    local = devices_lib.describe_replicas(strategy)
     if not _agreement.needs_exchange(strategy):
+        run.worker_devices = [local]
         return
     record = {
-        "devices": [
-            d.to_dict() for d in devices_lib.describe_replicas(strategy)
-        ],
+        "devices": [d.to_dict() for d in local],
         "settings": fingerprint(model, dataset, arguments),
     }
     records = _agreement.exchange(strategy, record)
     _agreement.check_settings(records, "`fit`")
+    run.worker_devices = [
+        [devices_lib.DeviceDescription.from_dict(d) for d in r["devices"]]
+        for r in records
+    ]
 
 
 def fingerprint(model, dataset, arguments):

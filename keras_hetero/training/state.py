@@ -29,6 +29,9 @@ class RunState:
             training.
         parameter_server: The `ParameterServerRunner` under
             ParameterServerStrategy.
+        worker_devices: One list of `keras_hetero.devices.DeviceDescription`
+            per worker (by global worker index) of its replica devices, as
+            the workers exchanged them at the start of the last `fit`.
     """
 
     def __init__(self):
@@ -37,6 +40,7 @@ class RunState:
         self.accumulator = None
         self.local_training = None
         self.parameter_server = None
+        self.worker_devices = None
 
 
 def attach(model, settings):

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
+from keras_hetero.balancing import memory
 from keras_hetero.doctor import cluster as cluster_lib
 from keras_hetero.doctor import host as host_lib
 from keras_hetero.doctor import report as report_lib
@@ -215,9 +216,9 @@ def test_clock_verdict_and_estimates():
     thirds = report_lib.suggest_shares([1.0, 1.0, 1.0])
     assert thirds == (0.3334, 0.3333, 0.3333)
     assert report_lib.suggest_shares([0.0, np.nan]) == (0.5, 0.5)
-    assert report_lib.max_rows(1000, 100, 8) == 100
-    assert report_lib.max_rows(1000, 5000, 8) == 0
-    assert report_lib.max_rows(None, 100, 8) is None
+    assert memory.rows_that_fit(1000, 100, 8) == 100
+    assert memory.rows_that_fit(1000, 5000, 8) == 0
+    assert memory.rows_that_fit(None, 100, 8) is None
 
 
 def test_cgroup_cpu_quota_and_memory_limit(tmp_path):

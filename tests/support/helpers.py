@@ -3,6 +3,8 @@
 Also imported by worker processes (keep it free of pytest).
 """
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 
@@ -286,3 +288,14 @@ def import_error_without(package, module):
     )
     assert done.returncode == 3, done.stderr[-2000:]
     return done.stdout
+
+
+class LogCount(logging.Handler):
+    """Counts the log records whose message contains `text`."""
+
+    def __init__(self, text):
+        super().__init__(logging.WARNING)
+        self.text, self.count = text, 0
+
+    def emit(self, record):
+        self.count += self.text in record.getMessage()

@@ -150,7 +150,10 @@ def pss_server(cluster, job, index):
 
 
 def rebalance_mwms(rows):
-    """2-worker fit with ShardRebalancer; returns ids seen and decisions."""
+    """2-worker fit with ShardRebalancer; returns ids seen, decisions, row
+    caps and how many warnings said a cap held a replica."""
+    import logging
+
     import tensorflow as tf
 
     import keras_hetero as kh
@@ -167,8 +170,12 @@ def rebalance_mwms(rows):
     rebalancer = kh.callbacks.ShardRebalancer(
         data, every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
     )
+    held = helpers.LogCount("is held at")
+    logging.getLogger("keras_hetero").addHandler(held)
     model.fit(data, epochs=2, verbose=0, callbacks=[rebalancer])
     return {
+        "caps": rebalancer.row_caps,
+        "held": held.count,
         "seen": seen,
         "changes": [
             (step, list(start), [round(float(v), 12) for v in shares])
