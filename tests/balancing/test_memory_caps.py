@@ -286,3 +286,44 @@ def test_an_emulated_a100_and_small_t4_agree_on_caps_and_hold_the_t4():
     reference.set_weights(first["initial"])
     reference.fit(helpers.id_examples(rows).batch(24), epochs=2, verbose=0)
     helpers.assert_weights_close(first["weights"], reference.get_weights())
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["input", "lazy"])
+def test_a_sequential_model_on_arrays_is_capped_too(built, caplog):
+    # fit shards the arrays itself; a Sequential model built at its first
+    # step has its layers' output shapes by the first decision.
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        layers = [kh.testing.SimulatedSpeed([0.002, 0.0005])]
+        layers += helpers.seeded_layers()
+        if built:
+            layers.insert(0, keras.Input((helpers.FEATURES,)))
+        model = kh.HeteroSequential(layers)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y, _, _ = helpers.arrays(16 * 12)
+    reference = kh.HeteroSequential(
+        [
+            keras.Input((helpers.FEATURES,)),
+            kh.testing.SimulatedSpeed(0.0),
+            *helpers.seeded_layers(),
+        ]
+    )
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    reference.optimizer.build(reference.trainable_variables)
+    rebalancer = kh.callbacks.ShardRebalancer(
+        every_n_steps=2, warmup_steps=1, window=3, tolerance=0.0
+    )
+    with kh.testing.emulated_fleet(small_gpu(reference, 10)):
+        with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+            model.fit(
+                x,
+                y,
+                batch_size=16,
+                epochs=1,
+                shuffle=False,
+                verbose=0,
+                callbacks=[rebalancer],
+            )
+    assert rebalancer.row_caps == [10, 10]
+    assert list(rebalancer.dataset.rows) == [6, 10]
+    assert any("replica 1 (Tesla T4" in m for m in caplog.messages)
