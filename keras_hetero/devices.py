@@ -153,6 +153,27 @@ def describe(name, cpu_memory_bytes=None):
     )
 
 
+def free_memory(name, memory_bytes):
+    """Bytes an accelerator can still give a model: its `memory_bytes`
+    less what TensorFlow holds on it now (as far as TensorFlow says).
+
+    Args:
+        name: The device's TensorFlow name.
+        memory_bytes: Its memory (`DeviceDescription.memory_bytes`), or
+            None if unknown.
+
+    Returns:
+        An int, or None if `memory_bytes` is None.
+    """
+    if memory_bytes is None:
+        return None
+    try:
+        used = tf.config.experimental.get_memory_info(name)["current"]
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        used = 0  # a device that does not count its memory
+    return max(0, int(memory_bytes) - int(used))
+
+
 def describe_replicas(strategy):
     """A `DeviceDescription` of each of this process's replica devices of
     `strategy` (under MultiWorkerMirroredStrategy: this worker's only)."""

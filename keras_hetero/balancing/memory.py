@@ -37,9 +37,9 @@ def state_bytes(model):
     if callable(variables):
         variables = variables()
     return (
-        _bytes(model.weights)
-        + _bytes(model.trainable_weights)
-        + _bytes(variables)
+        tensor_bytes(model.weights)
+        + tensor_bytes(model.trainable_weights)
+        + tensor_bytes(variables)
     )
 
 
@@ -140,9 +140,14 @@ def replica_caps(model, worker_devices):
     return caps, per_row
 
 
-def _bytes(variables):
+def tensor_bytes(tensors):
+    """Bytes of `tensors` (variables or tensors of known shape), summed.
+
+    Example:
+
+    >>> tensor_bytes([tf.zeros((2, 3)), tf.zeros((4,), tf.float16)])
+    32
+    """
     return int(
-        sum(
-            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables
-        )
+        sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in tensors)
     )

@@ -137,13 +137,7 @@ def available_memory(device, host, cpu_devices):
         if host.available_memory_bytes is None:
             return None
         return host.available_memory_bytes // max(cpu_devices, 1)
-    if device.memory_bytes is None:
-        return None
-    try:
-        used = tf.config.experimental.get_memory_info(device.name)["current"]
-    except (ValueError, RuntimeError, tf.errors.OpError):
-        used = 0
-    return max(0, device.memory_bytes - used)
+    return devices_lib.free_memory(device.name, device.memory_bytes)
 
 
 def time_matmuls(names, target_seconds=TARGET_SECONDS, repeats=REPEATS):

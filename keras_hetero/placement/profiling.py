@@ -18,6 +18,7 @@ import numpy as np
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
+from keras_hetero.balancing import memory
 from keras_hetero.layers import chain_with_outputs
 
 # A layer measured as fast as the harness alone (within its noise) gets
@@ -357,12 +358,7 @@ def common_scale(profiles, batch_size=None):
 
 def weight_bytes(layer):
     """Bytes of `layer`'s trainable weights."""
-    return int(
-        sum(
-            np.prod(weight.shape) * itemsize(weight.dtype)
-            for weight in layer.trainable_weights
-        )
-    )
+    return memory.tensor_bytes(layer.trainable_weights)
 
 
 def itemsize(dtype):
@@ -375,12 +371,7 @@ def itemsize(dtype):
 def _nbytes(structure):
     import tensorflow as tf
 
-    return int(
-        sum(
-            np.prod(tensor.shape) * itemsize(tensor.dtype)
-            for tensor in tf.nest.flatten(structure)
-        )
-    )
+    return memory.tensor_bytes(tf.nest.flatten(structure))
 
 
 def _checked_devices(devices):
@@ -610,21 +601,15 @@ def _sum(tensors):
 def _device_memory(device):
     """Free bytes of an accelerator whose memory its description knows,
     else None (a CPU's memory is the host's, shared)."""
-    import tensorflow as tf
-
     from keras_hetero import devices as devices_lib
 
     kind, _ = _local_key(device)
     if kind == "CPU":
         return None
-    total = devices_lib.describe(_with_prefix(device)).memory_bytes
-    try:
-        used = tf.config.experimental.get_memory_info(_with_prefix(device))
-    except ValueError:
-        return None
-    if total is None:
-        return None
-    return max(0, int(total) - int(used["current"]))
+    name = _with_prefix(device)
+    return devices_lib.free_memory(
+        name, devices_lib.describe(name).memory_bytes
+    )
 
 
 def _check_profile(measured):
