@@ -54,6 +54,35 @@ def check_positive(name, value, expected="a positive number"):
     return float(value)
 
 
+def check_number(name, value, low=None, high=None, *, above=False):
+    """Returns `value` as a float if it is a finite real number (not a
+    bool) in `[low, high]` (`(low, high]` with `above`).
+
+    Raises:
+        ValueError: Naming the argument, the value received and the range
+            expected.
+
+    Example:
+
+    >>> check_number("threshold", 0.5, 0, 1, above=True)
+    0.5
+    """
+    inside = (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(value)
+        and (low is None or value > low or (value == low and not above))
+        and (high is None or value <= high)
+    )
+    if not inside:
+        if high is None:
+            expected = f"a number {'>' if above else '>='} {low}"
+        else:
+            expected = f"a number in {'(' if above else '['}{low}, {high}]"
+        _fail(name, value, expected)
+    return float(value)
+
+
 def check_choice(name, value, choices, expected=None):
     """Returns `value` if it is one of `choices`.
 

@@ -7,6 +7,7 @@ import numpy as np
 from keras_hetero import _callback_protocol as base
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
+from keras_hetero._checks import check_number
 from keras_hetero.balancing import core as rebalance
 from keras_hetero.balancing import memory
 from keras_hetero.data.shard import HeteroDataset
@@ -153,11 +154,7 @@ class ShardRebalancer(base.HeteroCallback):
             check_int("trust_every_n_steps", trust_every_n_steps, 1)
         _check_min_share(min_share, dataset)
         _check_max_rows(max_rows)
-        if float(tolerance) < 0:
-            raise ValueError(
-                "Invalid value for argument `tolerance`. Received: "
-                f"tolerance={tolerance!r}. Expected a number >= 0."
-            )
+        check_number("tolerance", tolerance, 0)
         self.dataset = dataset
         self._given = dataset
         self.every_n_steps = every_n_steps

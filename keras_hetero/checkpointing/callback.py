@@ -1,10 +1,15 @@
-"""`ElasticCheckpoint`: exact mid-epoch resume, async, atomic, elastic."""
+"""`ElasticCheckpoint`: exact mid-epoch resume, async, atomic, elastic.
+
+The callback keeps the position (epoch, step, examples) and decides when
+to save; its parts: `resume` (the checks and the restore before `fit`),
+`writer` (one save at a time, in the background), `preemption` (a signal's
+stop, agreed between workers), `storage` (the files), `schedule` (when).
+"""
 
 import json
 import logging
 import os
 import signal
-import threading
 import time
 import warnings
 
@@ -15,14 +20,12 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_choice
 from keras_hetero._checks import check_int
+from keras_hetero.checkpointing import preemption
+from keras_hetero.checkpointing import resume
 from keras_hetero.checkpointing import schedule
 from keras_hetero.checkpointing import storage
-from keras_hetero.data import reproducibility
+from keras_hetero.checkpointing import writer
 from keras_hetero.data.shard import HeteroDataset
-from keras_hetero.data.shard import mechanism_before_record
-from keras_hetero.training import runtime
-from keras_hetero.training import state
-from keras_hetero.training import stopping
 from keras_hetero.training.parameter_server import ParameterServerInput
 
 logger = logging.getLogger("keras_hetero")
@@ -152,12 +155,10 @@ class ElasticCheckpoint(base.HeteroCallback):
         self.exit_on_signal = bool(exit_on_signal)
         self.signals = tuple(signals)
         self.approximate_resume = bool(approximate_resume)
-        self._warned_approximate = set()
+        self._checks = resume.ResumeChecks(self.approximate_resume)
         _check_directory(self.directory, write=_distribute.env_task().is_chief)
-        self._writer = None
-        self._error = None
-        self._lock = threading.Lock()
-        self._saves = {}  # step -> [blocking seconds, write seconds]
+        self._writer = writer.Writer(self.directory, keep)
+        self._stop = preemption.SignalStop(self.signals)
         self.restored_from = None
         self.preempted = False
         self._pending_states = None
@@ -197,7 +198,7 @@ class ElasticCheckpoint(base.HeteroCallback):
                 f"{count} ElasticCheckpoint(s) and x of type "
                 f"{type(dataset).__name__}."
             )
-        self._check_reproducible(dataset)
+        self._checks.reproducible_input(dataset)
         self._dataset = dataset
         self._companions = [
             c
@@ -217,249 +218,32 @@ class ElasticCheckpoint(base.HeteroCallback):
 
         return undo
 
-    def _check_reproducible(self, dataset):
-        find = getattr(dataset, "unreproducible_stages", None)
-        stages = [] if find is None else find()
-        if not stages:
-            return
-        names = reproducibility.describe(stages)
-        self._refuse_or_warn(
-            "its examples (the `tf.data.Dataset` given to `kh.data.shard`) "
-            "have stages whose order or values a restarted process would "
-            "not reproduce, so a resumed epoch would skip the wrong examples "
-            f"(or draw other random numbers):\n{names}",
-            "these input stages are not reproduced by a restart:\n"
-            f"{names}\nA resumed epoch skips as many examples as were "
-            "trained before the restart, but not the same ones: until the "
-            "epoch ends some examples are trained twice and others not at "
-            "all.",
-        )
-
-    def _check_random_layers(self, model):
-        layers = ", ".join(map(repr, _compat.unsaved_random_layers(model)))
-        if not layers:
-            return
-        self._refuse_or_warn(
-            f"its random layers ({layers}) draw with TF1 stateful random "
-            "ops (tf-keras' default), whose state no checkpoint can hold: a "
-            "restarted process would draw the first step's numbers again. "
-            "Fix: call "
-            "`tf.keras.backend.experimental.enable_tf_random_generator()` "
-            "before building the model (the layers then draw from "
-            "`tf.random.Generator`s, whose states the checkpoint holds).",
-            f"the random layers {layers} draw other numbers after a restart "
-            "than the uninterrupted run would (TF1 stateful random ops); "
-            "every example is still trained once per epoch.",
-        )
-
-    def _check_same_order(self, path, state, dataset):
-        """Refuses to resume a shuffled epoch if its order was made by
-        another mechanism than the dataset's (a pipeline edit, or a
-        checkpoint older than the record: see
-        `HeteroDataset.shuffle_mechanism`)."""
-        if state.get("shuffle_seed") is None:
-            return  # not shuffled: the order is the examples'
-        now = dataset.shuffle_mechanism
-        then = state.get("shuffle_mechanism")
-        if then is None:
-            # Written before checkpoints recorded it: then `shuffle=True`
-            # over tf.data (and `from_arrow`) examples always took a buffer
-            # of the pass; arrays and buffer sizes are unchanged.
-            then = mechanism_before_record(now)
-        if then == now:
-            return
-        self._refuse_or_warn(
-            f"checkpoint {path} stopped in the middle of an epoch shuffled "
-            f"by {then!r}, and this dataset shuffles by {now!r}, so the "
-            "resumed epoch would skip other examples than were trained. "
-            "The mechanism follows the examples (a `filter`, `take` or "
-            "`from_generator` upstream has no random access, so "
-            "`shuffle=True` takes a buffer; before checkpoints recorded it, "
-            "`shuffle=True` over tf.data examples always did). Fix: resume "
-            "with "
-            "the pipeline that wrote the "
-            "checkpoint, or start the epoch afresh in a new `directory`.",
-            "the resumed epoch's order is made by another mechanism than "
-            f"the one that trained its first steps ({then!r} then, {now!r} "
-            "now); until the epoch ends some examples are trained twice and "
-            "others not at all.",
-        )
-
-    def _refuse_or_warn(self, problem, approximation):
-        """Raises a ValueError naming `problem`, or with
-        `approximate_resume` warns `approximation` once per kind."""
-        if not self.approximate_resume:
-            raise ValueError(
-                f"ElasticCheckpoint cannot resume this run exactly: {problem}"
-                "\nOr pass `ElasticCheckpoint(..., approximate_resume=True)` "
-                'to accept an approximate resume (docs/checkpoints.md, "Input '
-                'pipelines and exact resume").'
-            )
-        if approximation not in self._warned_approximate:
-            self._warned_approximate.add(approximation)
-            warnings.warn(
-                "ElasticCheckpoint(approximate_resume=True): " + approximation,
-                UserWarning,
-                stacklevel=3,
-            )
-
     def _restore(self, model, kwargs):
-        """Loads the newest valid checkpoint into `model` before `fit`.
+        """Loads the newest valid checkpoint into `model` before `fit`
+        (`keras_hetero.checkpointing.resume`).
 
         Returns:
             A function that undoes `fit` argument changes afterwards.
         """
-        self._check_random_layers(model)
+        self._checks.random_layers(model)
         self._chief = _distribute.is_chief(model.distribute_strategy)
         self._reset_counters()
-        # Pass number of the first epoch of this `fit` (the shuffle order of
-        # epoch e is the one of pass `first pass + e - first epoch`).
-        self._first_pass = (
-            getattr(self._dataset, "next_pass", None),
-            kwargs.get("initial_epoch", 0),
+        resumed = resume.restore(
+            model,
+            self._dataset,
+            self.directory,
+            kwargs,
+            resize=self.resize,
+            checks=self._checks,
         )
-        found = storage.newest_valid(self.directory)
-        if found is None:
-            return lambda: None
-        path, state = found
-        started = time.perf_counter()
-        names, variables = _compat.checkpoint_variables(model)
-        shapes = [list(v.shape) for v in variables]
-        if state["shapes"] != shapes:
-            raise ValueError(
-                f"Checkpoint {path} does not fit this model: it holds "
-                f"{len(state['shapes'])} variables "
-                f"({_shapes_text(state['variables'], state['shapes'])}), the "
-                f"model and optimizer have {len(shapes)} "
-                f"({_shapes_text(names, shapes)}). Use a new `directory` for a "
-                "different model."
-            )
-        arrays = storage.read_arrays(path, state["tensors"])
-        for variable, array in zip(variables, arrays):
-            variable.assign(array)
-        self._restore_replica_state(
-            model, path, state, arrays[len(variables) :]
-        )
-        dataset = self._dataset
-        old_batch = state["global_batch_size"]
-        new_batch = dataset.global_batch_size
-        if new_batch != old_batch:
-            self._resize_batch(model, path, state, old_batch, new_batch)
-        epoch = state["epoch"]
-        done = state["examples_in_epoch"]
-        if state["num_replicas"] == dataset.num_replicas:
-            dataset.shares = state["shares"]
-            self._pending_states = state["callbacks"]
-        else:
-            logger.warning(
-                "ElasticCheckpoint: resuming a %d-replica checkpoint (%d "
-                "worker(s)) with %d replicas (%d worker(s)); the epoch "
-                "continues exactly, shares and per-replica callback state "
-                "start afresh.",
-                state["num_replicas"],
-                state["num_workers"],
-                dataset.num_replicas,
-                _distribute.num_workers(model.distribute_strategy),
-            )
-        if isinstance(dataset, ParameterServerInput):
-            dataset.resume_after(done)
-        else:
-            if done:
-                self._check_same_order(path, state, dataset)
-            data_pass = state.get("data_pass")
-            dataset.resume_after(
-                done, pass_number=data_pass, seed=state.get("shuffle_seed")
-            )
-            if data_pass is not None:
-                self._first_pass = (data_pass, epoch)
-        # The step the resumed epoch starts at, counted in the new global
-        # batches: the remaining examples take `remaining` steps.
-        per_epoch = kwargs.get("steps_per_epoch") or dataset.num_batches
-        if new_batch is None:  # parameter servers: steps, not examples
-            step = state["step_in_epoch"]
-        elif per_epoch:
-            examples = dataset.num_examples
-            remaining = (
-                -(-(examples - done) // new_batch)
-                if examples is not None
-                else per_epoch - done // new_batch
-            )
-            step = max(per_epoch - remaining, 0)
-        else:
-            step = -(-done // new_batch)
-        self._epoch, self._step_in_epoch = epoch, step
-        self._examples_in_epoch = done
-        self._global_step = state["global_step"]
-        self.restored_from = path
-        logger.warning(
-            "ElasticCheckpoint: restored %s in %.2fs; continuing at epoch "
-            "%d after %d of its examples (step %d; global step %d).",
-            path,
-            time.perf_counter() - started,
-            epoch,
-            done,
-            step,
-            self._global_step,
-        )
-        if isinstance(dataset, ParameterServerInput):
-            kwargs["initial_epoch"], kwargs["initial_step"] = epoch, step
-            return lambda: None
-        return _compat.set_initial_step(model, epoch, step, kwargs)
-
-    def _restore_replica_state(self, model, path, state, replica_arrays):
-        local = _local_training(model)
-        if local is None and not replica_arrays:
-            return
-        if local is None or not replica_arrays:
-            logger.warning(
-                "ElasticCheckpoint: %s was written %s low-communication "
-                "training and is restored %s it; the inner optimizers start "
-                "from the saved (first replica's) state.",
-                path,
-                "with" if replica_arrays else "without",
-                "without" if local is None else "with",
-            )
-            return
-        replicas = model.distribute_strategy.num_replicas_in_sync
-        if replica_arrays[0].shape[0] != replicas:
-            logger.warning(
-                "ElasticCheckpoint: %s holds the inner optimizer state of %d "
-                "replicas; with %d replicas each starts from the first "
-                "replica's (resuming is not exact).",
-                path,
-                replica_arrays[0].shape[0],
-                replicas,
-            )
-            return
-        local.restore_replica_state(replica_arrays)
-
-    def _resize_batch(self, model, path, state, old_batch, new_batch):
-        if self.resize != "scale_learning_rate":
-            raise ValueError(
-                f"Checkpoint {path} was written with global batch size "
-                f"{old_batch}; the dataset has {new_batch}. Resume with the "
-                "same global batch size (any worker count), or pass "
-                'ElasticCheckpoint(resize="scale_learning_rate") to scale '
-                "the learning rate with the batch."
-            )
-        rate = state.get("learning_rate")
-        if rate is None:
-            raise ValueError(
-                f"Checkpoint {path}: cannot scale the learning rate for the "
-                f"new global batch size {new_batch} (was {old_batch}): the "
-                "optimizer uses a learning-rate schedule. Scale the schedule "
-                "yourself and keep the global batch size."
-            )
-        scaled = rate * new_batch / old_batch
-        model.optimizer.learning_rate = scaled
-        logger.warning(
-            "ElasticCheckpoint: global batch %d -> %d; learning rate %g -> "
-            "%g (linear scaling rule).",
-            old_batch,
-            new_batch,
-            rate,
-            scaled,
-        )
+        self._first_pass = resumed.first_pass
+        if resumed.path is not None:
+            self._epoch, self._step_in_epoch = resumed.epoch, resumed.step
+            self._examples_in_epoch = resumed.examples
+            self._global_step = resumed.global_step
+            self._pending_states = resumed.callback_states
+            self.restored_from = resumed.path
+        return resumed.undo
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -470,10 +254,8 @@ class ElasticCheckpoint(base.HeteroCallback):
         self._global_step = 0
         self._since_save = 0
         self._last_save_time = None
-        self._cost = None
-        self._write_seconds = None
-        self._stop_requested = False
-        self._stop_sent = False
+        self._writer.reset_timings()
+        self._stop.reset()
 
     def on_train_begin(self, logs=None):
         if self._dataset is None:
@@ -489,7 +271,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             storage.remove_partial(self.directory)
         self.preempted = False
         self._last_save_time = time.monotonic()
-        self._install_signal_handlers()
+        self._stop.install()
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._epoch:
@@ -504,15 +286,9 @@ class ElasticCheckpoint(base.HeteroCallback):
             # A resumed epoch whose data ran out: end it before Keras calls
             # a step that has no batch (and moves the layers' seeds).
             _compat.end_epoch_before_step()
-        if (
-            self._stop_requested
-            and not self._stop_sent
-            and stopping.agrees(self.model)
-        ):
-            # Several workers: the request goes to all of them in this
-            # call's collectives; they stop together after it.
-            stopping.request(self.model)
-            self._stop_sent = True
+        # Several workers: a request goes to all of them in this call's
+        # collectives; they stop together after it.
+        self._stop.send(self.model)
         if self._pending_states is not None:
             # After the companions' own on_train_begin reset them.
             states, self._pending_states = self._pending_states, None
@@ -522,7 +298,7 @@ class ElasticCheckpoint(base.HeteroCallback):
                     companion.set_state(state)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._raise_writer_error()
+        self._writer.raise_error()
         steps = self._steps_of_call(batch)
         self._global_step += steps
         self._step_in_epoch += steps
@@ -530,33 +306,17 @@ class ElasticCheckpoint(base.HeteroCallback):
             self._dataset.global_batch_size or 0
         )
         self._since_save += steps
-        local = _local_training(self.model)
+        local = resume.local_training(self.model)
         if local is not None:
             self._low_communication_batch_end(local)
             return
-        if self._stop_due():
+        if self._stop.due(self.model, self._global_step):
             self.preempted = True
             self.save_now()
             self.model.stop_training = True
             return
         if self._chief and self.save_due():
             self._save(wait=not self.async_save)
-
-    def _stop_due(self):
-        """Whether `fit` stops after the call that just ended: at once on
-        this process's own signal, or, where workers agree
-        (`stopping.agrees`), when the call carried any worker's request."""
-        if not stopping.agrees(self.model):
-            return self._stop_requested
-        if not stopping.agreed(self.model):
-            return False
-        if not self._stop_requested:
-            logger.warning(
-                "ElasticCheckpoint: another worker got a signal; saving "
-                "step %d with every worker, then stopping.",
-                self._global_step,
-            )
-        return True
 
     def _low_communication_batch_end(self, local):
         """Under low-communication training a checkpoint is taken right
@@ -568,7 +328,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         trained again (their effect on the shared weights was not yet
         made, so nothing is lost or applied twice)."""
         self._save_if_agreed(local)
-        if self._stop_requested:
+        if self._stop.requested:
             self.preempted = True
             self.model.stop_training = True
             logger.warning(
@@ -588,13 +348,13 @@ class ElasticCheckpoint(base.HeteroCallback):
         local.save_agreed = False
         replica_state = local.gather_replica_state()
         if self._chief and write:
-            self._join()
+            self._writer.join()
             self._save(wait=True, replica_state=replica_state)
 
     def _low_communication(self):
         """The model's low-communication state, or None (see
         `kh.LowCommunication`)."""
-        return _local_training(self.model)
+        return resume.local_training(self.model)
 
     def _save_if_agreed(self, local, wait=None):
         if not local.save_agreed:
@@ -602,7 +362,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         local.save_agreed = False
         replica_state = local.gather_replica_state()  # every worker
         if self._chief:
-            self._join()
+            self._writer.join()
             self._save(
                 wait=not self.async_save if wait is None else wait,
                 replica_state=replica_state,
@@ -618,7 +378,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         return self.model.step_stats.steps
 
     def on_epoch_end(self, epoch, logs=None):
-        local = _local_training(self.model)
+        local = resume.local_training(self.model)
         if local is not None:  # the epoch's last round ended just before
             self._save_if_agreed(local)
         # Keras also ends an epoch that `stop_training` cut short; only a
@@ -629,15 +389,15 @@ class ElasticCheckpoint(base.HeteroCallback):
             self._examples_in_epoch = 0
 
     def on_train_end(self, logs=None):
-        self._restore_signal_handlers()
-        local = _local_training(self.model)
+        self._stop.uninstall()
+        local = resume.local_training(self.model)
         if local is not None and not self.preempted:
             # Every worker ends here (whether the chief saves: only it knows).
             self._save_at_round_end(local, write=self._since_save > 0)
         elif self._since_save and not self.preempted:
             self.save_now()
-        self._join()
-        self._raise_writer_error()
+        self._writer.join()
+        self._writer.raise_error()
         self._dataset = None
         if self.preempted and self.exit_on_signal:
             logger.warning(
@@ -656,7 +416,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         Waits for a save in flight first. Other workers do nothing.
         """
         if self.is_chief and self.model is not None:
-            self._join()
+            self._writer.join()
             self._save(wait=True)
 
     def save_due(self):
@@ -667,7 +427,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         Returns:
             True if a save is due and none is in flight.
         """
-        if self._writer is not None and self._writer.is_alive():
+        if self._writer.busy:
             return False  # at most one save in flight
         every = self.save_every
         if every.steps is not None:
@@ -675,7 +435,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         elapsed = time.monotonic() - self._last_save_time
         if every.seconds is not None:
             return elapsed >= every.seconds
-        if self._cost is None:
+        if self._writer.cost is None:
             return True  # measure the cost once, early
         return elapsed >= self.interval
 
@@ -703,12 +463,12 @@ class ElasticCheckpoint(base.HeteroCallback):
     def interval(self):
         """Seconds between "auto" saves (Young/Daly), or None before the
         first save."""
-        if self._cost is None:
+        if self._writer.cost is None:
             return None
         return schedule.young_daly_interval(
-            self._cost,
+            self._writer.cost,
             self.mtbf,
-            minimum=1.5 * (self._write_seconds or 0.0),
+            minimum=1.5 * (self._writer.write_seconds or 0.0),
         )
 
     def _epoch_complete(self, ended=False):
@@ -767,7 +527,6 @@ class ElasticCheckpoint(base.HeteroCallback):
         return int(first_pass + epoch - first_epoch)
 
     def _save(self, wait, replica_state=None):
-
         started = time.perf_counter()
         names, variables = _compat.checkpoint_variables(self.model)
         arrays = [np.array(v.numpy()) for v in variables]
@@ -777,89 +536,16 @@ class ElasticCheckpoint(base.HeteroCallback):
             # inner optimizer's state, after the model's tensors.
             state["replica_tensors"] = len(replica_state)
             arrays += replica_state
-        step = self._global_step
         self._since_save = 0
         self._last_save_time = time.monotonic()
-        with self._lock:
-            self._saves[step] = [None, None]
-
-        def write():
-            write_started = time.perf_counter()
-            try:
-                storage.write(self.directory, step, arrays, state)
-                storage.prune(self.directory, self.keep)
-            except BaseException as error:  # surfaced on the main thread
-                with self._lock:
-                    self._error = error
-                    del self._saves[step]
-                return
-            seconds = time.perf_counter() - write_started
-            with self._lock:
-                self._write_seconds = _ema(self._write_seconds, seconds)
-                self._saves[step][1] = seconds
-
-        if wait:
-            write()
-            self._raise_writer_error()
-        else:
-            self._writer = threading.Thread(
-                target=write, name="keras_hetero-checkpoint", daemon=True
-            )
-            self._writer.start()
-        blocking = time.perf_counter() - started
-        with self._lock:
-            self._cost = _ema(self._cost, blocking)
-            if step in self._saves:
-                self._saves[step][0] = blocking
+        self._writer.save(self._global_step, arrays, state, wait, started)
 
     @property
     def saves(self):
         """`(step, seconds training was blocked, seconds the write took)`
         per save of this callback, oldest first (write None while in
         flight)."""
-        with self._lock:
-            return [(s, b, w) for s, (b, w) in sorted(self._saves.items())]
-
-    def _join(self):
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-
-    def _raise_writer_error(self):
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(
-                f"ElasticCheckpoint could not write to {self.directory}: "
-                f"{error}"
-            ) from error
-
-    # --- signals ------------------------------------------------------------
-
-    def _install_signal_handlers(self):
-        self._previous_handlers = {}
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for number in self.signals:
-            self._previous_handlers[number] = signal.signal(
-                number, self._on_signal
-            )
-
-    def _restore_signal_handlers(self):
-        for number, handler in getattr(self, "_previous_handlers", {}).items():
-            signal.signal(number, handler)
-        self._previous_handlers = {}
-
-    def _on_signal(self, number, frame):
-        if self._stop_requested and number == signal.SIGINT:
-            self._restore_signal_handlers()
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        logger.warning(
-            "ElasticCheckpoint: got %s; saving at the next step boundary, "
-            "then stopping.",
-            signal.Signals(number).name,
-        )
+        return self._writer.saves
 
     # --- state --------------------------------------------------------------
 
@@ -884,10 +570,6 @@ def _learning_rate(optimizer):
         return None
 
 
-def _ema(old, new, weight=0.3):
-    return new if old is None else (1 - weight) * old + weight * new
-
-
 def _plain(value):
     return json.loads(json.dumps(value, default=_to_builtin))
 
@@ -902,11 +584,6 @@ def _to_builtin(value):
 
         return dataclasses.asdict(value)
     raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
-
-
-def _shapes_text(names, shapes, limit=3):
-    head = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes[:limit]))
-    return head + (", ..." if len(names) > limit else "")
 
 
 def _check_directory(directory, write):
@@ -926,10 +603,3 @@ def _check_directory(directory, write):
             f"{'written' if write else 'read'} ({error}). Expected a "
             "directory this process can create and write to."
         ) from None
-
-
-def _local_training(model):
-    """The model's low-communication state (`kh.LowCommunication`), or None."""
-    if state.run_state(model) is None or not getattr(model, "built", False):
-        return None  # not a HeteroModel, or not built yet
-    return runtime.local_training(model)

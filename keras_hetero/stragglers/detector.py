@@ -14,6 +14,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import _scalar_writer as writer
 from keras_hetero._checks import check_int
+from keras_hetero._checks import check_number
 from keras_hetero._environment import HANG_REPORT_ENV
 from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import links
@@ -178,22 +179,13 @@ class StragglerDetector(base.HeteroCallback):
         probe_links=True,
     ):
         super().__init__()
-        for name, value in (
-            ("threshold", threshold),
-            (
-                "relative_threshold",
-                1.0 if relative_threshold is None else relative_threshold,
-            ),
-        ):
-            if isinstance(value, bool) or not (
-                isinstance(value, (int, float)) and 0 < value <= 1
-            ):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected a number in (0, 1]."
-                )
-        for name, value in (("patience", patience), ("window", window)):
-            check_int(name, value)
+        check_number("threshold", threshold, 0, 1, above=True)
+        if relative_threshold is not None:
+            check_number(
+                "relative_threshold", relative_threshold, 0, 1, above=True
+            )
+        check_int("patience", patience)
+        check_int("window", window)
         actions = [action] if isinstance(action, str) else list(action)
         unknown = [a for a in actions if a not in ACTIONS]
         if unknown or not actions:
@@ -211,22 +203,9 @@ class StragglerDetector(base.HeteroCallback):
                 "Invalid value for argument `on_straggler`. Received: "
                 f"on_straggler={on_straggler!r}. Expected a callable or None."
             )
-        if isinstance(min_excess_seconds, bool) or not (
-            isinstance(min_excess_seconds, (int, float))
-            and min_excess_seconds >= 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `min_excess_seconds`. Received: "
-                f"min_excess_seconds={min_excess_seconds!r}. Expected "
-                "seconds >= 0."
-            )
-        if hang_timeout is not None and not (
-            isinstance(hang_timeout, (int, float)) and hang_timeout > 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `hang_timeout`. Received: "
-                f"hang_timeout={hang_timeout!r}. Expected seconds > 0 or None."
-            )
+        check_number("min_excess_seconds", min_excess_seconds, 0)
+        if hang_timeout is not None:
+            check_number("hang_timeout", hang_timeout, 0, above=True)
         self.threshold = float(threshold)
         self.relative_threshold = (
             None if relative_threshold is None else float(relative_threshold)
