@@ -12,11 +12,17 @@ is what the headroom is for. A device's memory is its
 host's for a CPU, shared by the worker's CPU replicas). Every input is the
 same on every worker of a job (the devices are exchanged at the start of
 `fit`, the model is the same), so every worker computes the same caps and
-the shares stay identical.
+the shares stay identical. `auto_caps` is what the rebalancer calls.
 """
+
+import logging
 
 import numpy as np
 import tensorflow as tf
+
+from keras_hetero.training import state as state_lib
+
+logger = logging.getLogger("keras_hetero")
 
 # Memory left free when estimating the rows a device holds.
 MEMORY_HEADROOM = 0.1
@@ -138,6 +144,69 @@ def replica_caps(model, worker_devices):
         for memory in replica_memory(worker_devices)
     ]
     return caps, per_row
+
+
+def auto_caps(model, dataset):
+    """`ShardRebalancer(max_rows="auto")`'s caps for `dataset`'s replicas.
+
+    Reads every worker's devices as the workers exchanged them at the
+    start of this `fit` (`RunState.worker_devices`). Warns (logger
+    `keras_hetero`) about each replica that holds more rows than its cap
+    now, and instead of caps when they cannot hold the global batch.
+
+    Args:
+        model: The `HeteroModel` being trained (built).
+        dataset: Its `kh.data.HeteroDataset`.
+
+    Returns:
+        `(caps, bytes_per_row)`: a list with an int or None (no cap) per
+        replica (all None when the caps cannot hold the global batch), and
+        the per-row estimate (or None).
+    """
+    replicas = dataset.num_replicas
+    worker_devices = state_lib.run_state(model).worker_devices
+    if not worker_devices or sum(map(len, worker_devices)) != replicas:
+        return [None] * replicas, None
+    caps, per_row = replica_caps(model, worker_devices)
+    known = [c for c in caps if c is not None]
+    total = dataset.global_batch_size
+    if len(known) == replicas and sum(known) < total:
+        logger.warning(
+            "ShardRebalancer: the replicas' memory is estimated to hold %d "
+            "rows per step together (%s), less than the global batch of %d; "
+            "max_rows='auto' caps none of them. Give max_rows by hand, or a "
+            "smaller global batch.",
+            sum(known),
+            " ".join(str(c) for c in caps),
+            total,
+        )
+        return [None] * replicas, per_row
+    for replica, (rows, cap) in enumerate(zip(dataset.rows, caps)):
+        if cap is not None and rows > cap:
+            logger.warning(
+                "ShardRebalancer: replica %d (%s) has %d rows per global "
+                "batch, more than its memory is estimated to hold (%d); it "
+                "moves down now.",
+                replica,
+                device_text(model, replica),
+                rows,
+                cap,
+            )
+    return caps, per_row
+
+
+def device_text(model, replica):
+    """Replica `replica`'s device as a warning names it: its model name
+    and memory (`"Tesla T4, 15.0 GiB"`)."""
+    worker_devices = state_lib.run_state(model).worker_devices or []
+    described = [d for devices in worker_devices for d in devices]
+    if replica >= len(described):
+        return "its device"
+    device = described[replica]
+    text = device.model
+    if device.memory_bytes is not None:
+        text += f", {device.memory_bytes / 2**30:.1f} GiB"
+    return text
 
 
 def tensor_bytes(tensors):

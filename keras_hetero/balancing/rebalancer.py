@@ -11,7 +11,6 @@ from keras_hetero._checks import check_number
 from keras_hetero.balancing import core as rebalance
 from keras_hetero.balancing import memory
 from keras_hetero.data.shard import HeteroDataset
-from keras_hetero.training import state
 from keras_hetero.training import trust_check
 from keras_hetero.training.clock_check import ClockCheck
 
@@ -318,7 +317,9 @@ class ShardRebalancer(base.HeteroCallback):
                 np.where(self._clock.usable(), speeds.readings, np.nan)
             )
         if self.row_caps is None and self._auto:
-            self.row_caps = self._auto_caps()
+            self.row_caps, self._per_row = memory.auto_caps(
+                self.model, self.dataset
+            )
         caps = None
         if self.row_caps is not None:
             caps = np.array(
@@ -341,51 +342,6 @@ class ShardRebalancer(base.HeteroCallback):
             self.changes.append((self._steps, start, shares))
             self._print_change(start)
         return shares
-
-    def _auto_caps(self):
-        """Each replica's estimated rows, or `[None] * replicas` (no cap)
-        when they cannot hold the global batch (see the class docstring)."""
-        replicas = self.dataset.num_replicas
-        worker_devices = state.run_state(self.model).worker_devices
-        if not worker_devices or sum(map(len, worker_devices)) != replicas:
-            return [None] * replicas
-        caps, self._per_row = memory.replica_caps(self.model, worker_devices)
-        known = [c for c in caps if c is not None]
-        total = self.dataset.global_batch_size
-        if len(known) == replicas and sum(known) < total:
-            logger.warning(
-                "ShardRebalancer: the replicas' memory is estimated to hold "
-                "%d rows per step together (%s), less than the global batch "
-                "of %d; max_rows='auto' caps none of them. Give max_rows "
-                "by hand, or a smaller global batch.",
-                sum(known),
-                " ".join(str(c) for c in caps),
-                total,
-            )
-            return [None] * replicas
-        for replica, (rows, cap) in enumerate(zip(self.dataset.rows, caps)):
-            if cap is not None and rows > cap:
-                logger.warning(
-                    "ShardRebalancer: replica %d (%s) has %d rows per "
-                    "global batch, more than its memory is estimated to "
-                    "hold (%d); it moves down now.",
-                    replica,
-                    self._device_text(replica),
-                    rows,
-                    cap,
-                )
-        return caps
-
-    def _device_text(self, replica):
-        worker_devices = state.run_state(self.model).worker_devices or []
-        described = [d for devices in worker_devices for d in devices]
-        if replica >= len(described):
-            return "its device"
-        device = described[replica]
-        text = device.model
-        if device.memory_bytes is not None:
-            text += f", {device.memory_bytes / 2**30:.1f} GiB"
-        return text
 
     def _warn_bound(self, speeds, shares, caps):
         """Warns once a fit for each replica a cap holds below what its
@@ -412,7 +368,7 @@ class ShardRebalancer(base.HeteroCallback):
                 "ShardRebalancer: replica %d (%s) is held at %d rows per "
                 "global batch, %s; its speed would give it %d.",
                 replica,
-                self._device_text(replica),
+                memory.device_text(self.model, replica),
                 int(caps[replica]),
                 why,
                 int(round(free[replica] * total)),

@@ -227,66 +227,7 @@ def _check(node, constants, context, cached=False, after_split=False):
     op = node.op
     function = None if context is None else _user_name(context[1])
     if op in _SHUFFLES or op in _RANDOM_DATASETS:
-        seeds = (_SHUFFLES.get(op) or _RANDOM_DATASETS[op])[:2]
-        values = [_constant(node, i, constants) for i in seeds]
-        unseeded = values == [0, 0]
-        again = _attr_bool(node, "reshuffle_each_iteration") or _attr_bool(
-            node, "rerandomize_each_iteration"
-        )
-        name = f"`{_METHODS[op]}`"
-        if op in _RANDOM_DATASETS:
-            name += " (or `Dataset.sample_from_datasets`, which uses it)"
-        if unseeded and op in _SHUFFLES:
-            return Stage(
-                name,
-                op,
-                function,
-                "it has no seed, so its order differs between workers and "
-                "after a restart",
-                _SHARD_SHUFFLE,
-                across_workers=True,
-            )
-        if unseeded:
-            return Stage(
-                name,
-                op,
-                function,
-                "it has no seed, so its numbers (and the examples they pick) "
-                "differ between workers and after a restart",
-                "give it a `seed=` (or call `tf.random.set_seed` before "
-                "building the pipeline)",
-                across_workers=True,
-            )
-        if again and cached:
-            # Seeded: its first pass, which the cache keeps, is the same
-            # in every process.
-            return None
-        if again and op in _SHUFFLES:
-            return Stage(
-                name,
-                op,
-                function,
-                "it reshuffles every epoch (`reshuffle_each_iteration=True`, "
-                "tf.data's default, also in `Dataset.list_files`), so a "
-                "restarted process replays its FIRST epoch's order and the "
-                "resumed epoch skips the wrong examples",
-                _SHARD_SHUFFLE
-                + ", or pass `reshuffle_each_iteration=False` (the same "
-                "seeded order every epoch)",
-                across_workers=False,
-            )
-        if again:
-            return Stage(
-                name,
-                op,
-                function,
-                "it draws new numbers every epoch "
-                "(`rerandomize_each_iteration=True`), so a restarted process "
-                "replays its FIRST epoch's numbers",
-                "pass `rerandomize_each_iteration=False`",
-                across_workers=False,
-            )
-        return None
+        return _check_random_dataset(node, constants, function, cached)
     deterministic = node.attr.get("deterministic")
     if deterministic is not None and deterministic.s == b"false":
         return Stage(
@@ -344,6 +285,72 @@ def _check(node, constants, context, cached=False, after_split=False):
             "derive the randomness from the example (stateless ops with a "
             "per-example seed, e.g. after `.enumerate()`), or apply random "
             "layers in the model instead of the input pipeline",
+            across_workers=False,
+        )
+    return None
+
+
+def _check_random_dataset(node, constants, function, cached):
+    """The Stage for a shuffle or random dataset `node`, or None (seeded,
+    and the same every epoch or cached)."""
+    op = node.op
+    seeds = (_SHUFFLES.get(op) or _RANDOM_DATASETS[op])[:2]
+    values = [_constant(node, i, constants) for i in seeds]
+    unseeded = values == [0, 0]
+    again = _attr_bool(node, "reshuffle_each_iteration") or _attr_bool(
+        node, "rerandomize_each_iteration"
+    )
+    name = f"`{_METHODS[op]}`"
+    if op in _RANDOM_DATASETS:
+        name += " (or `Dataset.sample_from_datasets`, which uses it)"
+    if unseeded and op in _SHUFFLES:
+        return Stage(
+            name,
+            op,
+            function,
+            "it has no seed, so its order differs between workers and "
+            "after a restart",
+            _SHARD_SHUFFLE,
+            across_workers=True,
+        )
+    if unseeded:
+        return Stage(
+            name,
+            op,
+            function,
+            "it has no seed, so its numbers (and the examples they pick) "
+            "differ between workers and after a restart",
+            "give it a `seed=` (or call `tf.random.set_seed` before "
+            "building the pipeline)",
+            across_workers=True,
+        )
+    if again and cached:
+        # Seeded: its first pass, which the cache keeps, is the same
+        # in every process.
+        return None
+    if again and op in _SHUFFLES:
+        return Stage(
+            name,
+            op,
+            function,
+            "it reshuffles every epoch (`reshuffle_each_iteration=True`, "
+            "tf.data's default, also in `Dataset.list_files`), so a "
+            "restarted process replays its FIRST epoch's order and the "
+            "resumed epoch skips the wrong examples",
+            _SHARD_SHUFFLE
+            + ", or pass `reshuffle_each_iteration=False` (the same "
+            "seeded order every epoch)",
+            across_workers=False,
+        )
+    if again:
+        return Stage(
+            name,
+            op,
+            function,
+            "it draws new numbers every epoch "
+            "(`rerandomize_each_iteration=True`), so a restarted process "
+            "replays its FIRST epoch's numbers",
+            "pass `rerandomize_each_iteration=False`",
             across_workers=False,
         )
     return None

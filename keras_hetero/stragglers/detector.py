@@ -1,6 +1,5 @@
 """`StragglerDetector`: finds slow replicas and stuck workers."""
 
-import dataclasses
 import json
 import logging
 import os
@@ -31,91 +30,51 @@ class StragglerDetector(base.HeteroCallback):
     """Scores every replica's speed each step and reports stragglers.
 
     With a `HeteroModel` it reads `model.step_stats` (every replica of every
-    worker; all workers see the same numbers and flag alike). With a plain
-    `keras.Model` it times this worker's train batches from the callbacks: one
-    series per worker, so only the individual score is meaningful (coarser).
+    worker; all workers see the same numbers and flag alike); with a plain
+    `keras.Model` it times this worker's train batches (one series per
+    worker: coarser). Over the median of the last `window` steps it scores
+    each replica (`kh.straggler`): individual = its expected time at its
+    current rows / its time, against the least slowed replica; relative =
+    the best replica's seconds per row / its own. A score below `threshold`
+    (or the relative one below `relative_threshold`) for `patience`
+    evaluations makes a straggler; both scores back above for `patience`
+    evaluations, a recovery.
 
-    Scores (see `kh.straggler`), over the median of the last `window` steps:
-    individual = this replica's own expected time at its current rows (its
-    baseline seconds per row times its rows) / its time, divided by the same
-    ratio of the least slowed replica (a slowdown every replica shares is no
-    replica's); relative = best replica's seconds per row / this replica's.
-    A replica whose individual score stays below `threshold` (or relative
-    score below `relative_threshold`) for `patience` evaluations becomes a
-    straggler; it recovers after `patience` evaluations with both scores
-    back above.
+    A slower device is not a straggler; a device slower than itself is:
+    with a `ShardRebalancer` in the `fit` (or `rebalancer=` given) the
+    relative score is used only if `relative_threshold` is set, so a fleet
+    that differs from the start raises no event. A low score counts only if
+    the replica also loses more compute per step than `min_excess_seconds`
+    and than the noise measured during the run (steps of a few milliseconds
+    on a busy machine); a slowdown that spares no step of the window is
+    flagged within `window + patience - 2` steps. A replica whose clock
+    does not see its device's work (`ClockCheck`) is named in one warning,
+    recorded in `clock_findings` and no longer scored. docs/stragglers.md
+    says why each rule is there and what it was measured against.
 
-    A slower device is not a straggler; a device slower than itself is.
-    With a `ShardRebalancer` in the `fit` (or `rebalancer=` given), sizing a
-    slower device's share is the rebalancer's job: the relative score is
-    not used unless `relative_threshold` is set, and a fleet that differs
-    from the start raises no event while its shares converge. Without one
-    the shares stay put, so a device slower than the fastest costs every
-    step and the relative score flags it (below `threshold`); on devices
-    that differ by design, set `relative_threshold` below the slowest
-    device's expected ratio (0.25 next to a device 4x faster).
+    Each event is appended to `.events`, logged in one line (replica,
+    worker, device, scores), passed to `on_straggler(event)`, written to
+    TensorBoard under `log_dir`, and acted on: `"warn"` (the line only),
+    `"rebalance"` (`rebalancer` decides now), `"checkpoint"`
+    (`checkpoint.save_now()`), `"stop"` (checkpoint if possible, then
+    `model.stop_training = True`).
 
-    A low score makes a straggler only if it also costs the replica more
-    compute per step (against the best replica, or its own baseline) than
-    `min_excess_seconds` and than the step-time noise measured during the
-    run, in its latest step as well as over the window: on a busy machine,
-    steps of a few milliseconds lose whole scheduler time slices at random
-    and would otherwise be flagged (see `kh.straggler` for the noise
-    floor). A slowdown that spares none of the newest `window - 1` steps
-    (even the fastest is slow) needs only to exceed `min_excess_seconds` and the
-    measured delays, not the jitter: a replica under a CPU quota jitters in
-    proportion to its slowdown and is still flagged within `window +
-    patience - 2` steps. Recovery needs only the scores back above the
-    thresholds.
+    Slow links: when each step's time outside compute (the collective's
+    wait, the input) stays above twice its baseline while no replica is
+    slower, it logs once that communication, not a device, slows the steps
+    and appends a `CommunicationEvent` to `.communication_events`; under
+    MultiWorkerMirroredStrategy with `probe_links` the workers probe the
+    paths to each other and the event names the workers behind the slow
+    link. No action: shares cannot help with a slow link.
 
-    Before scoring, it checks that each replica's readings mean device time
-    (`keras_hetero.training.clock_check.ClockCheck`): a replica whose clock
-    reads near zero, or does not move when its rows do (a share change), is
-    named in one warning (logger `keras_hetero`), recorded in
-    `clock_findings`, and no longer scored; the scores start over without
-    its readings. Readings that jump from step to step are reported once
-    and still scored.
-
-    Each event is appended to `.events`, logged as one line naming replica,
-    worker, device and scores, passed to `on_straggler(event)`, written to
-    TensorBoard under `log_dir`, and acted on:
-
-    - `"warn"`: the log line only;
-    - `"rebalance"`: `rebalancer` (a `ShardRebalancer`) decides now;
-    - `"checkpoint"`: `checkpoint.save_now()` is called if given;
-    - `"stop"`: checkpoint if possible, then `model.stop_training = True`.
-
-    Slow links: with a `HeteroModel` it also follows each step's time
-    outside compute (the train-function call's host time minus the slowest
-    replica's compute: the gradient collective's wait, and the input). When
-    its median over `window` steps exceeds twice its baseline (the first
-    `window` steps after the first) plus `min_excess_seconds` for
-    `patience` steps, while no replica is slower, it logs once that steps
-    are slowed by communication, not by a device, and appends a
-    `CommunicationEvent` to `.communication_events` (and another when it
-    recovers). No action is taken: shares cannot help with a slow link,
-    and `ShardRebalancer` sizes shares by compute seconds, which a slow
-    link does not change. Every worker waits for the slowest transfer
-    alike, so under MultiWorkerMirroredStrategy (with `probe_links=True`)
-    the workers also probe the paths to each other (an HTTP/2 PING with
-    64 KiB of padding to each peer's TensorFlow server, in a thread, once
-    when the baseline is set and once at the event) and exchange the rows
-    through the coordination service; the
-    event, held until its probes are in (at most about `10 s`), names the
-    workers behind the slow link (`CommunicationEvent.workers`) and the
-    slow probes (`slow_links`).
-
-    Hang watchdog (multi-worker): with `hang_timeout` seconds set, a thread
-    notices when a train step (after the first of the `fit`, which traces,
-    and not the first of an epoch) does not finish in time, asks TensorFlow's
-    coordination service which workers have not reached the current step,
-    and logs them by index ("worker(s) [1] have not reached step 57"). With
-    `abort_on_hang=True` it then exits the process with status
-    `HANG_EXIT_CODE` so a launcher can restart the job.
+    Hang watchdog (multi-worker): with `hang_timeout`, a train step that
+    does not finish in time makes it ask TensorFlow's coordination service
+    which workers have not reached the step and log them; with
+    `abort_on_hang=True` the process then exits with `HANG_EXIT_CODE`, for
+    a launcher to restart the job.
 
     Epoch logs get `straggler/relative_<i>`, `straggler/individual_<i>`,
-    `straggler/flagged` (how many replicas are flagged) and
-    `straggler/communication` (1 while steps are slowed outside compute).
+    `straggler/flagged` and `straggler/communication`.
 
     Args:
         threshold: Score below which a replica is slow, in (0, 1]. Defaults
@@ -222,14 +181,12 @@ class StragglerDetector(base.HeteroCallback):
         self.abort_on_hang = abort_on_hang
         self.probe_links = bool(probe_links)
         self.events = []
-        self.communication_events = []
         self.hangs = []
         self.clock_findings = []
         self._clock = None
         self._scorer = None
         self._communication = None
-        self._links = None
-        self._pending = None
+        self._watch = None
         self._writer = None
         self._watchdog = None
         self._rebalanced = False
@@ -260,7 +217,6 @@ class StragglerDetector(base.HeteroCallback):
 
     def on_train_begin(self, logs=None):
         self.events = []
-        self.communication_events = []
         self.hangs = []
         self.clock_findings = []
         self._clock = None
@@ -271,8 +227,9 @@ class StragglerDetector(base.HeteroCallback):
         )
         if restored is not None:
             self._communication.set_state(restored)
-        self._links = self._make_links()
-        self._pending = None
+        self._watch = links.SlowLinkWatch(
+            self._communication, self._make_links()
+        )
         self._steps = 0
         self._batch_start = None
         if self.log_dir is not None and self._writer is None:
@@ -285,12 +242,7 @@ class StragglerDetector(base.HeteroCallback):
     def on_train_end(self, logs=None):
         # The next `fit` may have no rebalancer (its `prepare_fit` says).
         self._rebalanced = False
-        if self._pending is not None:
-            # Its probes end within their wait (the others' rows).
-            self._release(wait=self._links.wait_seconds + 10)
-        if self._links is not None:
-            self._links.close()
-            self._links = None
+        self._watch.close()
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -348,7 +300,9 @@ class StragglerDetector(base.HeteroCallback):
             relative_threshold=self._relative_threshold(),
             min_excess_seconds=self.min_excess_seconds,
         )
-        self._follow_communication(call, seconds, steps, measured, changes)
+        if self._watch is not None and measured == steps:
+            # Not low-communication training, inside a fit.
+            self._watch.step(self._steps, call, seconds, steps, bool(changes))
         for replica, kind, relative, individual in changes:
             self._emit(
                 straggler.StragglerEvent(
@@ -362,32 +316,11 @@ class StragglerDetector(base.HeteroCallback):
                 )
             )
 
-    def _follow_communication(self, call, seconds, steps, measured, changes):
-        # fmax skips NaN (unmeasured) without nanmax's copy.
-        compute = (
-            np.fmax.reduce(seconds) if np.isfinite(seconds).any() else None
-        )
-        if (
-            self._communication is None  # not inside a fit
-            or call is None
-            or compute is None
-            or measured != steps
-        ):
-            return  # plain model, XLA (no clocks) or low-communication
-        measuring = self._communication.baseline is None
-        event = self._communication.step(self._steps, call, compute, steps)
-        set_now = measuring and self._communication.baseline is not None
-        if self._links is not None and set_now:
-            # The healthy reference of the probes, with the baseline.
-            self._links.start(reference=True)
-        if self._pending is not None:
-            self._release(wait=0.0, now=event is not None)
-        if event is None:
-            return
-        if event.kind == "communication" and self._links is not None:
-            self._pending = (event, self._links.start(), bool(changes))
-            return
-        self._report(event, bool(changes))
+    @property
+    def communication_events(self):
+        """The `CommunicationEvent`s of the last `fit` (see the class
+        docstring), oldest first."""
+        return [] if self._watch is None else self._watch.events
 
     def _make_links(self):
         task = _distribute.env_task()
@@ -401,52 +334,6 @@ class StragglerDetector(base.HeteroCallback):
         ):
             return None
         return links.LinkRounds(task.worker_index, task.addresses)
-
-    def _release(self, wait, now=False):
-        """Reports the held slow-link event once its probe round is in
-        (or `now`, with what is known)."""
-        event, number, changed = self._pending
-        result = self._links.result(number, timeout=wait)
-        if result is None and not (now or wait):
-            return  # not in yet: asked again at the next batch end
-        self._pending = None
-        if result is not None:
-            seconds, pairs, workers = result
-            reference = self._links.reference
-            event = dataclasses.replace(
-                event,
-                workers=workers,
-                slow_links=tuple(
-                    (a, b, seconds[(a, b)], reference.get((a, b)))
-                    for a, b in pairs
-                ),
-            )
-        self._report(event, changed, probed=result is not None)
-
-    def _report(self, event, changed, probed=False):
-        self.communication_events.append(event)
-        if event.kind == "communication":
-            logger.warning(
-                "StragglerDetector: steps are slowed by communication at "
-                "step %d: %.1f ms per step outside compute (%.1f ms at the "
-                "start), compute %.1f ms per step%s; a slow network link "
-                "(or input), not a slow device: shares are left alone.%s",
-                event.step,
-                1000 * event.outside_seconds,
-                1000 * event.baseline_seconds,
-                1000 * event.compute_seconds,
-                "" if not changed else ", and a replica changed speed",
-                _behind_text(event, probed),
-            )
-        else:
-            logger.warning(
-                "StragglerDetector: steps are no longer slowed by "
-                "communication at step %d: %.1f ms per step outside compute "
-                "(%.1f ms at the start).",
-                event.step,
-                1000 * event.outside_seconds,
-                1000 * event.baseline_seconds,
-            )
 
     def _observation(self):
         stats = getattr(self.model, "step_stats", None)
@@ -571,31 +458,6 @@ class StragglerDetector(base.HeteroCallback):
         self._restored_communication = state.get("communication")
         if self._communication is not None and self._restored_communication:
             self._communication.set_state(self._restored_communication)
-
-
-def _behind_text(event, probed):
-    if not probed:
-        return ""
-    if not event.workers:
-        return (
-            " Probes between the workers found no slow path (the time may "
-            "be the input's, or on a path the probes do not take)."
-        )
-    probes = ", ".join(
-        f"{a}->{b} {_ms(seconds)}"
-        + ("" if reference is None else f" ({_ms(reference)} at the start)")
-        for a, b, seconds, reference in event.slow_links
-    )
-    return (
-        f" Probes between the workers put worker(s) {list(event.workers)} "
-        f"behind the slow link (slow probes: {probes})."
-    )
-
-
-def _ms(seconds):
-    if seconds == float("inf"):
-        return "no answer"
-    return f"{1000 * seconds:.1f} ms"
 
 
 def _worker_of(replica, devices):

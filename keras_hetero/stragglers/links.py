@@ -16,8 +16,10 @@ event), and each finds, from the same matrix, the fewest workers that
 every slow probe touches: the workers behind the slow links.
 """
 
+import dataclasses
 import itertools
 import json
+import logging
 import math
 import os
 import queue
@@ -27,7 +29,11 @@ import struct
 import threading
 import time
 
+import numpy as np
+
 from keras_hetero import _compat
+
+logger = logging.getLogger("keras_hetero")
 
 PROBE_BYTES = 65536
 """Bytes of padding each probe carries to the peer (bandwidth shows)."""
@@ -284,3 +290,133 @@ class LinkRounds:
             return seconds, [], ()
         pairs = slow_pairs(seconds, self.reference)
         return seconds, pairs, behind(pairs)
+
+
+class SlowLinkWatch:
+    """`StragglerDetector`'s slow links in one `fit`: follows each step's
+    time outside compute (a `communication.CommunicationTracker`) and, with
+    `LinkRounds` probes, holds a slow-link event until its probe round
+    names the workers behind the link; logs every event (logger
+    `keras_hetero`) and keeps it in `events`.
+
+    Args:
+        tracker: The `communication.CommunicationTracker` of this `fit`.
+        rounds: The `LinkRounds` of this worker, or None (no probes).
+    """
+
+    def __init__(self, tracker, rounds):
+        self.tracker, self.rounds = tracker, rounds
+        self.events = []
+        self._pending = None
+
+    def step(self, step, call, seconds, steps, changed):
+        """Takes the call that ended at global step `step`.
+
+        Args:
+            step: Steps done in this `fit`.
+            call: The train function call's host seconds, or None (a plain
+                model: nothing to follow).
+            seconds: Each replica's compute seconds (NaN: not measured).
+            steps: Steps the call ran.
+            changed: Whether a replica's straggler state changed now.
+        """
+        # fmax skips NaN (unmeasured) without nanmax's copy.
+        compute = (
+            np.fmax.reduce(seconds) if np.isfinite(seconds).any() else None
+        )
+        if call is None or compute is None:
+            return  # plain model, or XLA (no clocks)
+        measuring = self.tracker.baseline is None
+        event = self.tracker.step(step, call, compute, steps)
+        set_now = measuring and self.tracker.baseline is not None
+        if self.rounds is not None and set_now:
+            # The healthy reference of the probes, with the baseline.
+            self.rounds.start(reference=True)
+        if self._pending is not None:
+            self._release(wait=0.0, now=event is not None)
+        if event is None:
+            return
+        if event.kind == "communication" and self.rounds is not None:
+            self._pending = (event, self.rounds.start(), changed)
+            return
+        self._report(event, changed)
+
+    def close(self):
+        """Reports a held event (its probes end within their wait: the
+        others' rows) and closes the probes."""
+        if self._pending is not None:
+            self._release(wait=self.rounds.wait_seconds + 10)
+        if self.rounds is not None:
+            self.rounds.close()
+            self.rounds = None
+
+    def _release(self, wait, now=False):
+        """Reports the held slow-link event once its probe round is in
+        (or `now`, with what is known)."""
+        event, number, changed = self._pending
+        result = self.rounds.result(number, timeout=wait)
+        if result is None and not (now or wait):
+            return  # not in yet: asked again at the next batch end
+        self._pending = None
+        if result is not None:
+            seconds, pairs, workers = result
+            reference = self.rounds.reference
+            event = dataclasses.replace(
+                event,
+                workers=workers,
+                slow_links=tuple(
+                    (a, b, seconds[(a, b)], reference.get((a, b)))
+                    for a, b in pairs
+                ),
+            )
+        self._report(event, changed, probed=result is not None)
+
+    def _report(self, event, changed, probed=False):
+        self.events.append(event)
+        if event.kind == "communication":
+            logger.warning(
+                "StragglerDetector: steps are slowed by communication at "
+                "step %d: %.1f ms per step outside compute (%.1f ms at the "
+                "start), compute %.1f ms per step%s; a slow network link "
+                "(or input), not a slow device: shares are left alone.%s",
+                event.step,
+                1000 * event.outside_seconds,
+                1000 * event.baseline_seconds,
+                1000 * event.compute_seconds,
+                "" if not changed else ", and a replica changed speed",
+                _behind_text(event, probed),
+            )
+        else:
+            logger.warning(
+                "StragglerDetector: steps are no longer slowed by "
+                "communication at step %d: %.1f ms per step outside compute "
+                "(%.1f ms at the start).",
+                event.step,
+                1000 * event.outside_seconds,
+                1000 * event.baseline_seconds,
+            )
+
+
+def _behind_text(event, probed):
+    if not probed:
+        return ""
+    if not event.workers:
+        return (
+            " Probes between the workers found no slow path (the time may "
+            "be the input's, or on a path the probes do not take)."
+        )
+    probes = ", ".join(
+        f"{a}->{b} {_ms(seconds)}"
+        + ("" if reference is None else f" ({_ms(reference)} at the start)")
+        for a, b, seconds, reference in event.slow_links
+    )
+    return (
+        f" Probes between the workers put worker(s) {list(event.workers)} "
+        f"behind the slow link (slow probes: {probes})."
+    )
+
+
+def _ms(seconds):
+    if seconds == float("inf"):
+        return "no answer"
+    return f"{1000 * seconds:.1f} ms"

@@ -38,9 +38,10 @@ real one does not flap when noise rises.
 A sustained slowdown counts without the jitter term: when even the
 fastest of a replica's newest `window - 1` readings (all present; see
 `sustained_readings`) is slower than the cost it is compared with by more
-than `min_excess_seconds` and `NOISE_MEANS` times the noise, random delays
-cannot explain it (they would have spared one of those steps), so it is
-costly whatever the pooled deviations. Why: a replica slowed by a CPU
+than `min_excess_seconds` and `NOISE_MEANS` times the OTHER replicas'
+noise (`others_noise`: the machine's delays, not the replica's own
+jitter), random delays cannot explain it (they would have spared one of
+those steps), so it is costly whatever the pooled deviations. Why: a replica slowed by a CPU
 quota jitters in proportion to its slowdown (0.3 of a core: 53-80 ms steps
 where 20 ms were), and with two replicas its own deviations are half of the
 pooled ones: the jitter term rose to the excess itself (floor 31-46 ms
@@ -137,6 +138,9 @@ class ScoreState:
             finished no step since the last batch end reads 0 rows.
         noise: Exponential average (weight `NOISE_DECAY`) of the steps'
             mean deviation from their replica's median, in seconds.
+        replica_noise: The same average per replica, of its own steps'
+            deviations (the sustained check's delays term takes the other
+            replicas', `others_noise`).
     """
 
     readings: np.ndarray
@@ -147,6 +151,7 @@ class ScoreState:
     flagged: np.ndarray
     rows: np.ndarray
     noise: float = 0.0
+    replica_noise: np.ndarray = None
 
     @classmethod
     def empty(cls, num_replicas, window):
@@ -158,6 +163,7 @@ class ScoreState:
             above=np.zeros(num_replicas, np.int64),
             flagged=np.zeros(num_replicas, bool),
             rows=np.zeros(num_replicas, np.float64),
+            replica_noise=np.zeros(num_replicas, np.float64),
         )
 
     def to_dict(self):
@@ -181,6 +187,10 @@ class ScoreState:
                 data.get("rows", np.zeros(len(data["flagged"]))), np.float64
             ),
             noise=float(data.get("noise", 0.0)),
+            replica_noise=np.asarray(
+                data.get("replica_noise", np.zeros(len(data["flagged"]))),
+                np.float64,
+            ),
         )
 
 
@@ -237,6 +247,58 @@ def noise_floor(state, cost, min_excess_seconds):
     return floor, noise
 
 
+def latest_deviations(newest, cost, rows):
+    """Each replica's newest reading's deviation from its median, capped
+    at the median (a lone stall, or a slowdown's onset, moves an average
+    of them little), in seconds per step (NaN: no reading)."""
+    return np.minimum(np.abs(newest - cost), cost) * rows
+
+
+def update_replica_noise(replica_noise, deviations, scored):
+    """`replica_noise` moved `NOISE_DECAY` of the way to `deviations`
+    where a replica has a scored reading."""
+    counted = scored & ~np.isnan(deviations)
+    moved = replica_noise + NOISE_DECAY * (
+        np.where(counted, deviations, 0.0) - replica_noise
+    )
+    return np.where(counted, moved, replica_noise)
+
+
+def others_noise(replica_noise):
+    """For each replica, the median of the OTHER replicas' noise (its own
+    when it is alone): the delays term of its sustained check.
+
+    A replica slowed by a CPU quota (or a throttling GPU) jitters in
+    proportion to its slowdown; counted in its own bar, that jitter hid
+    a 2x quota drop for 14-16 steps in 2 of 7 real runs (the pooled
+    average rose from 2.2 ms to 3.8 ms while the slowed steps, 53-100 ms
+    where 33 ms were expected, lost 20 ms at their fastest). The machine's
+    delays are what the term is for, and the other replicas measure them.
+
+    Example:
+
+    >>> others_noise(np.array([1.0, 7.0])).tolist()
+    [7.0, 1.0]
+    >>> others_noise(np.array([1.0, 2.0, 9.0])).tolist()
+    [5.5, 5.0, 1.5]
+    """
+    count = replica_noise.size
+    if count < 2:
+        return replica_noise.copy()
+    # The others' median takes their sorted values at `low` and `high`:
+    # the full order's value there, or the next one up when the replica
+    # itself sits at or below it (ties give the same value either way).
+    others = count - 1
+    low, high = (others - 1) // 2, others // 2
+    ranks = sorted({low, low + 1, high, high + 1})
+    ordered = dict(zip(ranks, np.partition(replica_noise, ranks)[ranks]))
+
+    def at(i):
+        return np.where(replica_noise <= ordered[i], ordered[i + 1], ordered[i])
+
+    return 0.5 * (at(low) + at(high))
+
+
 def sustained_readings(window):
     """How many of the newest readings the sustained check takes.
 
@@ -287,6 +349,11 @@ def evaluate(
     cost = current_costs(state)
     relative, individual = scores(state, cost)
     floor, noise = noise_floor(state, cost, min_excess_seconds)
+    replica_noise = update_replica_noise(
+        state.replica_noise,
+        latest_deviations(state.readings[-1], cost, state.rows),
+        state.rows > 0,
+    )
     best = np.fmin.reduce(cost)
     # The baseline is the lowest median seen, relaxed upward a little each
     # evaluation: over a long run the noise's luckiest window would
@@ -309,7 +376,9 @@ def evaluate(
     # that slow (a missing reading, NaN, makes the minimum NaN: not
     # sustained).
     fastest = np.min(state.readings[-sustained_readings(window) :], axis=0)
-    sustained_floor = max(min_excess_seconds, NOISE_MEANS * noise)
+    sustained_floor = np.maximum(
+        min_excess_seconds, NOISE_MEANS * others_noise(replica_noise)
+    )
     with np.errstate(invalid="ignore"):
         relative_costly = (relative_excess > floor) | (
             (fastest - best) * state.rows > sustained_floor
@@ -343,6 +412,7 @@ def evaluate(
         above=above,
         flagged=flagged,
         noise=noise,
+        replica_noise=replica_noise,
     )
     return new_state, changes
 
@@ -383,6 +453,7 @@ class Scorer:
         self.flagged = np.zeros(num_replicas, bool)
         self.rows = np.zeros(num_replicas, np.float64)
         self.noise = 0.0
+        self.replica_noise = np.zeros(num_replicas, np.float64)
 
     @property
     def num_replicas(self):
@@ -402,6 +473,8 @@ class Scorer:
         scorer.flagged = np.array(state.flagged, bool)
         scorer.rows = np.array(state.rows, np.float64)
         scorer.noise = float(state.noise)
+        if state.replica_noise is not None:
+            scorer.replica_noise = np.array(state.replica_noise, np.float64)
         return scorer
 
     def state(self):
@@ -416,6 +489,7 @@ class Scorer:
             flagged=self.flagged.copy(),
             rows=self.rows.copy(),
             noise=self.noise,
+            replica_noise=self.replica_noise.copy(),
         )
 
     def step(
@@ -457,6 +531,11 @@ class Scorer:
                 # is none's.
                 individual /= np.max(individual, where=finite, initial=-np.inf)
             floor = self._noise_floor(cost, min_excess_seconds)
+            self.replica_noise = update_replica_noise(
+                self.replica_noise,
+                latest_deviations(newest, cost, rows),
+                rows > 0,
+            )
             # The baseline: the lowest median seen, relaxed upward a little
             # each evaluation (see `evaluate`); fmin: NaN loses to a number.
             self.baseline = np.fmin(
@@ -480,7 +559,10 @@ class Scorer:
                 fastest = np.min(
                     self._readings[np.ix_(spared, newest_slots)], axis=1
                 )
-                least = max(min_excess_seconds, NOISE_MEANS * self.noise)
+                least = np.maximum(
+                    min_excess_seconds,
+                    NOISE_MEANS * others_noise(self.replica_noise)[spared],
+                )
                 spared_rows = rows[spared]
                 costly[spared] = (
                     slow[spared] & ((fastest - best) * spared_rows > least)

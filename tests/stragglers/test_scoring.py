@@ -1,5 +1,8 @@
 """Straggler scoring core, without TensorFlow."""
 
+import json
+import os
+
 import numpy as np
 
 from keras_hetero.stragglers import scoring as straggler
@@ -648,3 +651,47 @@ def test_order_statistics_are_exactly_the_sorted_values():
         np.testing.assert_array_equal(
             straggler._order_statistics(values, ranks), np.sort(values)[ranks]
         )
+
+
+def test_others_noise_is_the_median_of_the_other_replicas():
+    rng = np.random.default_rng(0)
+    for count in range(1, 30):
+        for ties in (False, True):
+            noise = (
+                rng.integers(0, 4, count).astype(float)
+                if ties
+                else rng.random(count)
+            )
+            expected = [
+                np.median(np.delete(noise, i)) if count > 1 else noise[i]
+                for i in range(count)
+            ]
+            np.testing.assert_allclose(straggler.others_noise(noise), expected)
+
+
+def test_a_real_quota_drop_whose_steps_jitter_is_flagged_in_time():
+    # Recorded on real CPU quotas: worker 1 at 0.3 of its core, 0.15 from
+    # step 101; under the quota its steps come out bimodal (53-100 ms
+    # where 33 ms were expected). With the delays term pooled over both
+    # replicas, worker 1's own jitter raised its bar above what its
+    # fastest slowed steps lost, and it was flagged at step 113; with the
+    # other replicas' noise, within window + patience - 2 = 10 steps.
+    path = os.path.join(os.path.dirname(__file__), "quota_drop_readings.json")
+    with open(path) as f:
+        recorded = json.load(f)
+    slow_at = recorded["slow_at"]
+    scorer = straggler.Scorer(2, 9)
+    state = straggler.ScoreState.empty(2, 9)
+    flagged = []
+    for step, (rows, seconds) in enumerate(recorded["seen"], 1):
+        changes = scorer.step(
+            rows, seconds, threshold=0.7, patience=3, relative_threshold=0.0
+        )
+        state = straggler.add_reading(state, rows, seconds)
+        state, reference = straggler.evaluate(
+            state, threshold=0.7, patience=3, relative_threshold=0.0
+        )
+        assert changes == reference
+        flagged += [(step, c[0]) for c in changes if c[1] == "straggler"]
+    assert flagged and flagged[0][1] == 1
+    assert slow_at < flagged[0][0] <= slow_at + 9 + 3 - 2, flagged
