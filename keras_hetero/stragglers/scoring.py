@@ -41,13 +41,13 @@ fastest of a replica's newest `window - 1` readings (all present; see
 than `min_excess_seconds` and `NOISE_MEANS` times the OTHER replicas'
 noise (`others_noise`: the machine's delays, not the replica's own
 jitter), random delays cannot explain it (they would have spared one of
-those steps), so it is costly whatever the pooled deviations. Why: a replica slowed by a CPU
-quota jitters in proportion to its slowdown (0.3 of a core: 53-80 ms steps
-where 20 ms were), and with two replicas its own deviations are half of the
-pooled ones: the jitter term rose to the excess itself (floor 31-46 ms
-against 37-48 ms lost) and a quota drop was flagged 17 steps late on a busy
-machine. The sustained rule flags it within `window + patience - 2` steps
-of its first slow one, however it jitters.
+those steps), so it is costly whatever the pooled deviations. Why: a
+replica slowed by a CPU quota jitters in proportion to its slowdown (0.3
+of a core: 53-80 ms steps where 20 ms were), and with two replicas its own
+deviations are half of the pooled ones: the jitter term rose to the excess
+itself (floor 31-46 ms against 37-48 ms lost) and a quota drop was flagged
+17 steps late on a busy machine. The sustained rule flags it within
+`window + patience - 2` steps of its first slow one, however it jitters.
 
 Why: on a loaded 2-core machine (two equal logical CPUs, measured by
 benchmarks/straggler.py) a 6 ms step takes 10-11 ms whenever the scheduler
