@@ -242,7 +242,8 @@ class StragglerDetector(base.HeteroCallback):
     def on_train_end(self, logs=None):
         # The next `fit` may have no rebalancer (its `prepare_fit` says).
         self._rebalanced = False
-        self._watch.close()
+        if self._watch is not None:
+            self._watch.close()
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

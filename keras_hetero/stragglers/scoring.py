@@ -236,8 +236,7 @@ def noise_floor(state, cost, min_excess_seconds):
     pooled = deviation[:, scored]
     pooled = np.sort(pooled[~np.isnan(pooled)])
     mad = _sorted_median(pooled) if pooled.size else 0.0
-    newest = state.readings[-1]
-    latest = np.minimum(np.abs(newest - cost), cost) * rows
+    latest = latest_deviations(state.readings[-1], cost, rows)
     latest = latest[scored & ~np.isnan(latest)]
     noise = state.noise
     if latest.size:
@@ -531,11 +530,6 @@ class Scorer:
                 # is none's.
                 individual /= np.max(individual, where=finite, initial=-np.inf)
             floor = self._noise_floor(cost, min_excess_seconds)
-            self.replica_noise = update_replica_noise(
-                self.replica_noise,
-                latest_deviations(newest, cost, rows),
-                rows > 0,
-            )
             # The baseline: the lowest median seen, relaxed upward a little
             # each evaluation (see `evaluate`); fmin: NaN loses to a number.
             self.baseline = np.fmin(
@@ -590,7 +584,8 @@ class Scorer:
         ]
 
     def _noise_floor(self, cost, min_excess_seconds):
-        """`noise_floor` on the ring; updates `self.noise`."""
+        """`noise_floor` on the ring; updates `self.noise` and
+        `self.replica_noise`."""
         rows = self.rows
         scored = rows > 0
         deviation = np.abs(self._readings - cost[:, np.newaxis])
@@ -612,6 +607,10 @@ class Scorer:
         # min(|newest - cost|, cost) * rows: scaling by rows > 0 keeps the
         # order, so the products' minimum is the same number.
         latest = np.minimum(deviation[:, newest_slot], cost * rows)
+        # The same deviations, per replica, for the sustained check.
+        self.replica_noise = update_replica_noise(
+            self.replica_noise, latest, scored
+        )
         latest = latest[scored & ~np.isnan(latest)]
         if latest.size:
             # fsum: exactly the sum the reference takes, in any order.
