@@ -306,7 +306,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             self._dataset.global_batch_size or 0
         )
         self._since_save += steps
-        local = resume.local_training(self.model)
+        local = self._low_communication()
         if local is not None:
             self._low_communication_batch_end(local)
             return
@@ -378,7 +378,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         return self.model.step_stats.steps
 
     def on_epoch_end(self, epoch, logs=None):
-        local = resume.local_training(self.model)
+        local = self._low_communication()
         if local is not None:  # the epoch's last round ended just before
             self._save_if_agreed(local)
         # Keras also ends an epoch that `stop_training` cut short; only a
@@ -390,7 +390,7 @@ class ElasticCheckpoint(base.HeteroCallback):
 
     def on_train_end(self, logs=None):
         self._stop.uninstall()
-        local = resume.local_training(self.model)
+        local = self._low_communication()
         if local is not None and not self.preempted:
             # Every worker ends here (whether the chief saves: only it knows).
             self._save_at_round_end(local, write=self._since_save > 0)
