@@ -13,11 +13,12 @@ so a replica that was given more rows is not blamed for it. Over a window of
 recent costs:
 
 - relative score = best replica's median cost / this replica's median cost;
-- individual score = this replica's baseline (the lowest median it has
-  shown, relaxed upward by `BASELINE_RELAX` per evaluation) / its current
-  median; with other replicas scored, divided by the highest such ratio
-  among them (the least slowed replica's), so a slowdown that every replica
-  shares (the machine got busier) is not any replica's.
+- individual score = this replica's baseline (the lowest of its median
+  smoothed over evaluations, `paced`, relaxed upward by `BASELINE_RELAX`
+  per evaluation; learnt again when its rows rise, `rows_rose`) / its
+  current median; with other replicas scored, divided by the highest such
+  ratio among them (the least slowed replica's), so a slowdown that every
+  replica shares (the machine got busier) is not any replica's.
 
 Both are in (0, 1]; 1 is "as fast as it gets".
 
@@ -96,6 +97,14 @@ NOISE_MEANS = 6.0
 # Weight of the newest step in `ScoreState.noise` (memory ~50 steps).
 NOISE_DECAY = 0.02
 
+# Weight of the newest median in `ScoreState.pace`, the smoothed median a
+# baseline is taken from (memory ~5 evaluations; see `paced`).
+PACE_DECAY = 0.2
+
+# A replica whose rows rise by more than this factor re-learns its
+# baseline (see `rows_rose`).
+ROWS_RISE = 1.05
+
 
 @dataclasses.dataclass(frozen=True)
 class StragglerEvent:
@@ -109,7 +118,8 @@ class StragglerEvent:
         relative_score: Best replica's cost per row / this replica's.
         individual_score: This replica's baseline cost / its current cost,
             divided by the highest such ratio of the replicas (when there
-            are others).
+            are others); NaN while the replica learns its baseline again
+            after its rows rose.
         kind: `"straggler"` or `"recovered"`.
     """
 
@@ -141,6 +151,11 @@ class ScoreState:
         replica_noise: The same average per replica, of its own steps'
             deviations (the sustained check's delays term takes the other
             replicas', `others_noise`).
+        steady: Readings each replica has given since its rows last rose
+            (`rows_rose`); its baseline is learnt again once they fill
+            the window.
+        pace: Each replica's median cost, smoothed over evaluations
+            (`paced`): what its baseline is the lowest of.
     """
 
     readings: np.ndarray
@@ -152,6 +167,8 @@ class ScoreState:
     rows: np.ndarray
     noise: float = 0.0
     replica_noise: np.ndarray = None
+    steady: np.ndarray = None
+    pace: np.ndarray = None
 
     @classmethod
     def empty(cls, num_replicas, window):
@@ -164,6 +181,8 @@ class ScoreState:
             flagged=np.zeros(num_replicas, bool),
             rows=np.zeros(num_replicas, np.float64),
             replica_noise=np.zeros(num_replicas, np.float64),
+            steady=np.full(num_replicas, window, np.int64),
+            pace=np.full(num_replicas, np.nan),
         )
 
     def to_dict(self):
@@ -191,18 +210,69 @@ class ScoreState:
                 data.get("replica_noise", np.zeros(len(data["flagged"]))),
                 np.float64,
             ),
+            # Before `steady`: every replica counts as settled.
+            steady=np.asarray(
+                data.get(
+                    "steady",
+                    np.full(len(data["flagged"]), len(data["readings"])),
+                ),
+                np.int64,
+            ),
+            pace=np.asarray(
+                data.get("pace", np.full(len(data["flagged"]), np.nan)),
+                np.float64,
+            ),
         )
+
+
+def rows_rose(previous, rows):
+    """Which replicas' rows rose by more than `ROWS_RISE` (of those with
+    rows before and now).
+
+    Such a replica's cost per row at its earlier rows is no yardstick: a
+    device that runs out of a budget within the step (a CPU quota, a GPU's
+    power limit) gets slower per row beyond it. Measured on a worker at 0.3
+    of a core whose rows the rebalancer raised from 94 to 107 of 512: its
+    median cost per row rose by 40% with nothing else changed, and its
+    individual score fell to 0.69 (the threshold: 0.7) against the
+    baseline of its fewer rows; one such rise flagged it in CI. So its
+    baseline is forgotten and learnt again once the window holds only
+    readings at its new rows (`ScoreState.steady`); until then it has no
+    individual score. Rows that fall keep the baseline: a replica the
+    rebalancer relieves because it slowed down is still flagged, and fewer
+    rows cost at most the step's fixed overhead more per row.
+
+    Example:
+
+    >>> rows_rose(np.array([0.0, 100.0, 100.0]), np.array([50, 104, 107]))
+    array([False, False,  True])
+    """
+    rows = np.asarray(rows, np.float64)
+    return (previous > 0) & (rows > previous * ROWS_RISE)
+
+
+def _steady_after(steady, rose, scored):
+    """`ScoreState.steady` after a reading: 0 where rows rose, one more
+    where the replica read rows."""
+    return np.where(rose, 0, steady + scored)
 
 
 def add_reading(state, rows, compute_seconds):
     """A new state with one step's costs per row added."""
     window = rebalance.SpeedWindow(state.readings).add(rows, compute_seconds)
     rows = np.asarray(rows, np.float64)
+    rose = rows_rose(state.rows, rows)
+    steady = state.steady
+    if steady is None:
+        steady = np.full(rows.shape, state.readings.shape[0], np.int64)
     return dataclasses.replace(
         state,
         readings=window.readings,
         seen=state.seen + 1,
         rows=np.where(rows > 0, rows, state.rows),
+        baseline=np.where(rose, np.nan, state.baseline),
+        pace=None if state.pace is None else np.where(rose, np.nan, state.pace),
+        steady=_steady_after(steady, rose, rows > 0),
     )
 
 
@@ -310,6 +380,40 @@ def sustained_readings(window):
     return max(window - 1, 1)
 
 
+def paced(pace, cost, settled):
+    """`ScoreState.pace` after an evaluation: `PACE_DECAY` of the way to
+    the window's median `cost` (the median itself when there was none;
+    unchanged where a replica has no median or is not `settled`).
+
+    A baseline is the lowest pace, not the lowest median, because a window
+    can be lucky for a few steps in a row. Measured on a worker at 0.3 of
+    a core: its readings come in three steps of its CPU quota's period
+    (0.22, 0.31 and 0.40 ms per row), its window's median is 0.31 but for
+    a few evaluations when five of nine readings were fast (0.23); that
+    median as the baseline put its individual score at 0.69-0.71 (the
+    threshold: 0.7) with nothing changed. With the lowest pace as the
+    baseline (and `rows_rose`), its lowest individual score in each of
+    four 300-step runs was 0.76-0.81. A slowdown still compares its median
+    with the baseline: a halved quota was flagged 7 steps after it.
+
+    Example:
+
+    >>> paced(np.array([np.nan, 1.0]), np.array([2.0, 2.0]), True).tolist()
+    [2.0, 1.2]
+    """
+    cost = np.asarray(cost, np.float64)
+    if pace is None:
+        pace = np.full(cost.shape, np.nan)
+    moved = np.where(np.isnan(pace), cost, pace + PACE_DECAY * (cost - pace))
+    return np.where(settled & ~np.isnan(cost), moved, pace)
+
+
+def _settled(steady, window):
+    """Which replicas' windows hold only readings at their current rows
+    (all of them in states saved before `steady`)."""
+    return True if steady is None else steady >= window
+
+
 def _sorted_median(ordered):
     """Median of a sorted, non-empty 1-D array, as `_median` computes it."""
     middle, odd = divmod(len(ordered), 2)
@@ -358,7 +462,15 @@ def evaluate(
     # evaluation: over a long run the noise's luckiest window would
     # otherwise become the yardstick and flag ordinary jitter.
     # (fmin skips NaN: a replica's first median becomes its baseline.)
-    baseline = np.fmin(state.baseline * (1.0 + BASELINE_RELAX), cost)
+    # A replica whose rows rose has none until its window holds only
+    # readings at its new rows (`rows_rose`).
+    settled = _settled(state.steady, window)
+    pace = paced(state.pace, cost, settled)
+    baseline = np.where(
+        settled,
+        np.fmin(state.baseline * (1.0 + BASELINE_RELAX), pace),
+        state.baseline,
+    )
     if relative_threshold is None:
         relative_threshold = threshold
     newest = state.readings[-1]
@@ -407,6 +519,7 @@ def evaluate(
     new_state = dataclasses.replace(
         state,
         baseline=baseline,
+        pace=pace,
         below=below,
         above=above,
         flagged=flagged,
@@ -453,6 +566,8 @@ class Scorer:
         self.rows = np.zeros(num_replicas, np.float64)
         self.noise = 0.0
         self.replica_noise = np.zeros(num_replicas, np.float64)
+        self.steady = np.full(num_replicas, window, np.int64)
+        self.pace = np.full(num_replicas, np.nan)
 
     @property
     def num_replicas(self):
@@ -474,6 +589,10 @@ class Scorer:
         scorer.noise = float(state.noise)
         if state.replica_noise is not None:
             scorer.replica_noise = np.array(state.replica_noise, np.float64)
+        if state.steady is not None:
+            scorer.steady = np.array(state.steady, np.int64)
+        if state.pace is not None:
+            scorer.pace = np.array(state.pace, np.float64)
         return scorer
 
     def state(self):
@@ -489,6 +608,8 @@ class Scorer:
             rows=self.rows.copy(),
             noise=self.noise,
             replica_noise=self.replica_noise.copy(),
+            steady=self.steady.copy(),
+            pace=self.pace.copy(),
         )
 
     def step(
@@ -512,6 +633,11 @@ class Scorer:
         )
         self._readings[:, self._next] = newest
         self._next = (self._next + 1) % self.window
+        rose = rows_rose(self.rows, rows)
+        if rose.any():
+            self.baseline[rose] = np.nan
+            self.pace[rose] = np.nan
+        self.steady = _steady_after(self.steady, rose, scored)
         self.rows = np.where(scored, rows, self.rows)
         self.seen += 1
         if self.seen < self.window:
@@ -531,10 +657,12 @@ class Scorer:
                 individual /= np.max(individual, where=finite, initial=-np.inf)
             floor = self._noise_floor(cost, min_excess_seconds)
             # The baseline: the lowest median seen, relaxed upward a little
-            # each evaluation (see `evaluate`); fmin: NaN loses to a number.
-            self.baseline = np.fmin(
-                self.baseline * (1.0 + BASELINE_RELAX), cost
-            )
+            # each evaluation (see `evaluate`); fmin: NaN loses to a number;
+            # none while a replica's rows rose within the window.
+            settled = self.steady >= self.window
+            self.pace = paced(self.pace, cost, settled)
+            relaxed = np.fmin(self.baseline * (1.0 + BASELINE_RELAX), self.pace)
+            self.baseline = np.where(settled, relaxed, self.baseline)
             current = np.fmin(newest, cost)
             slow = relative < relative_threshold
             lost = individual < threshold
