@@ -60,6 +60,8 @@ from _harness import markdown_table
 from _harness import parse_args
 from _harness import smoke_parser
 
+from keras_hetero.launcher import timing
+
 TRAIN = str(pathlib.Path(__file__).resolve().parent / "_soak_train.py")
 # Between the job's end and the launchers' exit, and for the reference
 # run beyond its expected length.
@@ -243,6 +245,20 @@ class _Job:
             found = re.findall(r"\[launcher\] attempt (\d+):", f.read())
         return max((int(number) for number in found), default=0)
 
+    def restart_phases(self):
+        """`{phase: [seconds, ...]}` over the restarts (attempts after the
+        first) as each host's launcher timed them (`launcher.timing`)."""
+        phases = {}
+        for log in self.logs:
+            with open(log.name) as f:
+                for line in f:
+                    parsed = timing.parse(line)
+                    if parsed is None or parsed[0] == 0:
+                        continue
+                    for name, seconds in parsed[1].items():
+                        phases.setdefault(name, []).append(seconds)
+        return phases
+
     def tail(self, lines=40):
         text = []
         for log in self.logs:
@@ -342,6 +358,7 @@ def run(args):
     try:
         kills, wall = _soak(job, args, rng)
         job.close()
+        phases = job.restart_phases()
         restarts, lost, useful, steps = _accounting(_records(job.out))
         final = _weights(os.path.join(job.out, "final.npz"))
         # The reference trains the committed steps once, on one process;
@@ -358,7 +375,11 @@ def run(args):
     finally:
         job.close()
         shutil.rmtree(folder, ignore_errors=True)
-    return [
+    phase_rows = [
+        [name, len(seconds), f"{np.median(seconds):.2f}", f"{max(seconds):.2f}"]
+        for name, seconds in phases.items()
+    ]
+    return phase_rows, [
         f"{args.minutes:g}",
         f"{kills['worker'] + kills['host']} "
         f"({kills['worker']}/{kills['host']})",
@@ -422,7 +443,18 @@ def main():
         ),
         flush=True,
     )
-    row = run(args)
+    phase_rows, row = run(args)
+    print()
+    print(
+        "Restart phases, seconds from when each host's launcher saw the "
+        "attempt end (a worker failed, or the rendezvous stopped the "
+        "group); each phase when the host's slowest worker reached it:"
+    )
+    print(
+        markdown_table(
+            ["phase", "restarts timed", "median s", "max s"], phase_rows
+        )
+    )
     print()
     print(
         markdown_table(

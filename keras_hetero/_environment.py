@@ -12,3 +12,10 @@ RESTART_ENV = "KERAS_HETERO_RESTART"
 NUM_WORKERS_ENV = "KERAS_HETERO_NUM_WORKERS"
 # Where a hanging worker's report goes (read by the launcher on a hang).
 HANG_REPORT_ENV = "KERAS_HETERO_HANG_REPORT"
+# Where a worker appends the times it reached each restart phase
+# (`keras_hetero._phases`; the launcher logs them).
+PHASES_ENV = "KERAS_HETERO_PHASES"
+# The exit code of a worker that found a step hung and wrote its hang
+# report (`StragglerDetector(abort_on_hang=True)`): the launcher then gives
+# the others time to write theirs.
+HANG_EXIT_CODE = 75

@@ -18,6 +18,7 @@ import numpy as np
 from keras_hetero import _callback_protocol as base
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import _phases
 from keras_hetero._checks import check_choice
 from keras_hetero._checks import check_int
 from keras_hetero.checkpointing import preemption
@@ -237,6 +238,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             checks=self._checks,
         )
         self._first_pass = resumed.first_pass
+        _phases.mark(_phases.RESTORED)
         if resumed.path is not None:
             self._epoch, self._step_in_epoch = resumed.epoch, resumed.step
             self._examples_in_epoch = resumed.examples
@@ -298,6 +300,7 @@ class ElasticCheckpoint(base.HeteroCallback):
                     companion.set_state(state)
 
     def on_train_batch_end(self, batch, logs=None):
+        _phases.mark(_phases.FIRST_STEP)
         self._writer.raise_error()
         steps = self._steps_of_call(batch)
         self._global_step += steps

@@ -120,9 +120,15 @@ def _add_run_arguments(parser):
         "leave CUDA_VISIBLE_DEVICES alone, every worker sees every GPU; "
         "for tests and odd drivers)",
     )
-    several = parser.add_argument_group(
-        "several hosts (the same command on each)"
+    _add_hosts_arguments(
+        parser.add_argument_group("several hosts (the same command on each)")
     )
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def _add_hosts_arguments(several):
+    """`run`'s arguments of a job on several hosts."""
     several.add_argument(
         "--nnodes",
         default=None,
@@ -177,8 +183,6 @@ def _add_run_arguments(parser):
         help="workers on this host: K (sharing its GPUs evenly) or auto "
         "(one per GPU; one without GPUs); default 1",
     )
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
 
 
 _DOCTOR_DESCRIPTION = """\

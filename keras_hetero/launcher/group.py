@@ -13,7 +13,9 @@ N` does), and these variables:
 
 Every output line is prefixed with `[worker i]`. When a worker exits with a
 non-zero status, the others are stopped (SIGTERM, then SIGKILL after
-`grace_seconds`) and the group starts again on new ports (the same ones
+`policy.PEER_STOP_SECONDS`: they wait in a collective that cannot finish;
+after `grace_seconds` if the worker wrote a hang report, for the others to
+write theirs) and the group starts again on new ports (the same ones
 with `--worker-ports`), up to `max_restarts` times: with the same number
 of workers, or, with `min_workers`, with the survivors (but not fewer
 than `min_workers`). The survivors are those the others' hang reports do
@@ -24,8 +26,12 @@ Training continues where it was if the script uses
 `kh.callbacks.ElasticCheckpoint`. Ctrl-C (SIGINT) or SIGTERM to the launcher
 sends SIGTERM to every worker (ElasticCheckpoint saves and stops), waits
 `grace_seconds`, kills what is left, and exits 130 (SIGINT) or 143.
+Each attempt's start is timed and logged once its workers trained a step
+(`timing`: peers stopped, processes started, imported, in fit, restored,
+first step).
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,10 +45,13 @@ import time
 from keras_hetero._checks import check_int
 from keras_hetero._environment import HANG_REPORT_ENV
 from keras_hetero._environment import NUM_WORKERS_ENV
+from keras_hetero._environment import PHASES_ENV
 from keras_hetero._environment import RESTART_ENV
 from keras_hetero.launcher import addresses
 from keras_hetero.launcher import devices
+from keras_hetero.launcher import policy
 from keras_hetero.launcher import ports as port_ranges
+from keras_hetero.launcher import timing
 from keras_hetero.launcher.ports import free_ports
 
 
@@ -116,8 +125,9 @@ def launch(
             the others' hang reports name stay out (with `hosts=`, their
             hosts too), else the group keeps its first workers. Defaults
             to None (always `workers`).
-        grace_seconds: How long stopped workers get to exit before SIGKILL.
-            Defaults to `30.0`.
+        grace_seconds: How long stopped workers get to exit before SIGKILL
+            (after a worker died without a hang report, 0.5 s at most:
+            `policy.stop_grace`). Defaults to `30.0`.
         env: Extra environment variables for the workers. Defaults to None.
         output: A text stream for the prefixed worker output. Defaults to
             `sys.stdout`.
@@ -168,6 +178,65 @@ def launch(
     >>> result.exit_code  # doctest: +SKIP
     0
     """
+    _check_launch(command, workers, max_restarts, min_workers, hosts)
+    check_seconds(
+        backoff_seconds=backoff_seconds,
+        max_backoff_seconds=max_backoff_seconds,
+    )
+    slots, address, worker_ports = _network(
+        workers,
+        hosts,
+        env,
+        worker_ports=worker_ports,
+        advertise_address=advertise_address,
+        devices_per_host=devices_per_host,
+    )
+    output = output or sys.stdout
+    group = _Group(output, grace_seconds, hosts, address, worker_ports, slots)
+    with signals_to(group.interrupt):
+        return _run_attempts(
+            group,
+            command,
+            workers,
+            env or {},
+            max_restarts=max_restarts,
+            min_workers=min_workers,
+            backoff=(float(backoff_seconds), float(max_backoff_seconds)),
+        )
+
+
+@contextlib.contextmanager
+def signals_to(handler):
+    """Within the block, SIGINT and SIGTERM call `handler(number, frame)`
+    (on the main thread; Python installs handlers nowhere else); the
+    previous handlers are restored after it."""
+    previous = (
+        {
+            number: signal.signal(number, handler)
+            for number in (signal.SIGINT, signal.SIGTERM)
+        }
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    try:
+        yield
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+def check_command(command):
+    """Raises `ValueError` for an empty worker command."""
+    if not command:
+        raise ValueError(
+            "Invalid value for argument `command`. Received: command="
+            f"{command!r}. Expected the worker command, e.g. "
+            '[sys.executable, "train.py"].'
+        )
+
+
+def _check_launch(command, workers, max_restarts, min_workers, hosts):
+    """`launch`'s checks of its counts, command and `hosts`."""
     check_int("workers", workers, 1)
     check_int("max_restarts", max_restarts, 0)
     if min_workers is not None:
@@ -178,16 +247,7 @@ def launch(
                 f"min_workers={min_workers!r}. Expected at most "
                 f"workers={workers}."
             )
-    if not command:
-        raise ValueError(
-            "Invalid value for argument `command`. Received: command="
-            f"{command!r}. Expected the worker command, e.g. "
-            '[sys.executable, "train.py"].'
-        )
-    check_seconds(
-        backoff_seconds=backoff_seconds,
-        max_backoff_seconds=max_backoff_seconds,
-    )
+    check_command(command)
     if hosts is not None and not (
         callable(getattr(hosts, "addresses", None))
         and callable(getattr(hosts, "command", None))
@@ -198,27 +258,14 @@ def launch(
             "`addresses(count, restart)` and `command(index, command)` "
             "methods (e.g. kh.testing.NetworkHosts)."
         )
-    if hosts is None:
-        environ = {**os.environ, **(env or {})}
-        slots = devices.worker_devices(
-            workers,
-            devices.host_gpus(devices_per_host, environ),
-            name="workers",
-        )
-        address = (
-            "127.0.0.1"
-            if advertise_address is None
-            else addresses.advertise_address(advertise_address)
-        )
-        if worker_ports is not None:
-            worker_ports = port_ranges.parse_port_range(worker_ports)
-            port_ranges.check_port_range(worker_ports, workers)
-    else:
-        local = {
-            "worker_ports": worker_ports,
-            "advertise_address": advertise_address,
-            "devices_per_host": devices_per_host,
-        }
+
+
+def _network(workers, hosts, env, **local):
+    """`(slots, address, port_range)` of a group: each worker's GPUs, the
+    address in `TF_CONFIG` and the workers' ports, from this machine's
+    settings `local` (`worker_ports`, `advertise_address`,
+    `devices_per_host`), which a `hosts` object replaces."""
+    if hosts is not None:
         for name, value in local.items():
             if value is not None:
                 raise ValueError(
@@ -226,87 +273,87 @@ def launch(
                     f"{name}={value!r} with hosts={hosts!r}. Expected None: "
                     "the `hosts` object gives the workers' addresses."
                 )
-        slots, address = [None] * workers, None
-    output = output or sys.stdout
-    group = _Group(output, grace_seconds, hosts, address, worker_ports, slots)
-    previous = (
-        {
-            number: signal.signal(number, group.interrupt)
-            for number in (signal.SIGINT, signal.SIGTERM)
-        }
-        if threading.current_thread() is threading.main_thread()
-        else {}
+        return [None] * workers, None, None
+    environ = {**os.environ, **(env or {})}
+    slots = devices.worker_devices(
+        workers,
+        devices.host_gpus(local["devices_per_host"], environ),
+        name="workers",
     )
+    advertise = local["advertise_address"]
+    address = (
+        "127.0.0.1"
+        if advertise is None
+        else addresses.advertise_address(advertise)
+    )
+    ports = local["worker_ports"]
+    if ports is not None:
+        ports = port_ranges.parse_port_range(ports)
+        port_ranges.check_port_range(ports, workers)
+    return slots, address, ports
+
+
+def _run_attempts(
+    group, command, workers, env, *, max_restarts, min_workers, backoff
+):
+    """Runs `group`'s attempts until one succeeds, it is interrupted or no
+    restart is left; returns the `LaunchResult`. `backoff`: the first and
+    the longest wait between restarts, in seconds."""
+    output, hosts = group.output, group.hosts
     attempts = []
     live = list(range(workers))  # the host of each worker
-    delay = float(backoff_seconds)
-    try:
-        for restart in range(max_restarts + 1):
-            count = len(live)
-            started = time.monotonic()
-            codes, failed, reports = group.run_attempt(
-                command, live, restart, env or {}
+    delay = backoff[0]
+    for restart in range(max_restarts + 1):
+        count = len(live)
+        started = time.monotonic()
+        codes, failed, reports = group.run_attempt(command, live, restart, env)
+        lasted = time.monotonic() - started
+        lost = lost_workers(reports, count)
+        attempts.append(
+            Attempt(
+                count, tuple(codes), tuple(failed), tuple(live), tuple(lost)
             )
-            lasted = time.monotonic() - started
-            lost = lost_workers(reports, count)
-            attempts.append(
-                Attempt(
-                    count,
-                    tuple(codes),
-                    tuple(failed),
-                    tuple(live),
-                    tuple(lost),
-                )
-            )
-            if group.interrupted is not None:
-                code = 128 + group.interrupted
-                return LaunchResult(code, tuple(attempts))
-            if not failed:
-                return LaunchResult(0, tuple(attempts))
-            status = _status(codes[failed[0]])
-            _say(
-                output,
-                f"[launcher] worker(s) {list(failed)} failed (exit "
-                f"{[codes[i] for i in failed]}) in attempt {restart}",
-            )
-            if restart == max_restarts:
-                _say(output, f"[launcher] no restarts left; exit {status}")
-                return LaunchResult(status, tuple(attempts))
-            if min_workers is not None:
-                live = _survivors(live, failed, lost, min_workers, hosts)
-                if lost:
-                    _say(
-                        output,
-                        f"[launcher] the others' hang reports name worker(s) "
-                        f"{lost} missing"
-                        + (
-                            f"; continuing on hosts {live}"
-                            if hosts is not None
-                            else ""
-                        ),
-                    )
-            if delay > 0:
+        )
+        if group.interrupted is not None:
+            return LaunchResult(128 + group.interrupted, tuple(attempts))
+        if not failed:
+            return LaunchResult(0, tuple(attempts))
+        status = _status(codes[failed[0]])
+        _say(
+            output,
+            f"[launcher] worker(s) {list(failed)} failed (exit "
+            f"{[codes[i] for i in failed]}) in attempt {restart}",
+        )
+        if restart == max_restarts:
+            _say(output, f"[launcher] no restarts left; exit {status}")
+            return LaunchResult(status, tuple(attempts))
+        if min_workers is not None:
+            live = _survivors(live, failed, lost, min_workers, hosts)
+            if lost:
                 _say(
                     output,
-                    f"[launcher] attempt {restart} lasted {lasted:.1f}s; "
-                    f"waiting {delay:.1f}s before restarting",
+                    f"[launcher] the others' hang reports name worker(s) "
+                    f"{lost} missing"
+                    + (
+                        f"; continuing on hosts {live}"
+                        if hosts is not None
+                        else ""
+                    ),
                 )
-                group.wait(delay)
-                if group.interrupted is not None:
-                    code = 128 + group.interrupted
-                    return LaunchResult(code, tuple(attempts))
-                # An attempt that failed soon after starting doubles the
-                # wait (a flapping link); one that ran long resets it.
-                quick = lasted < max(delay * 4, 1.0)
-                delay = (
-                    min(delay * 2, max_backoff_seconds)
-                    if quick
-                    else float(backoff_seconds)
-                )
-            _say(output, f"[launcher] restarting with {len(live)} worker(s)")
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        if delay > 0:
+            _say(
+                output,
+                f"[launcher] attempt {restart} lasted {lasted:.1f}s; "
+                f"waiting {delay:.1f}s before restarting",
+            )
+            group.wait(delay)
+            if group.interrupted is not None:
+                return LaunchResult(128 + group.interrupted, tuple(attempts))
+            # An attempt that failed soon after starting doubles the wait
+            # (a flapping link); one that ran long resets it.
+            quick = lasted < max(delay * 4, 1.0)
+            delay = min(delay * 2, backoff[1]) if quick else backoff[0]
+        _say(output, f"[launcher] restarting with {len(live)} worker(s)")
     raise AssertionError("unreachable")
 
 
@@ -328,6 +375,12 @@ class _Group:
         self.interrupted = None
         self.processes = []
         self._readers = []
+        # Restart timing (`timing`): the launch, then when this host saw
+        # the running attempt end and when its workers had all exited.
+        self.began = time.time()
+        self._ended = None  # (wall time, what happened)
+        self._stopped_at = None
+        self.timing = None
 
     def interrupt(self, number, frame):
         if self.interrupted is not None:
@@ -377,7 +430,7 @@ class _Group:
             if self.hosts is not None:
                 argv = list(self.hosts.command(live[index], argv))
             workers.append((index, argv, env))
-        self.start(workers)
+        self.start(workers, restart)
         _say(
             self.output,
             f"[launcher] attempt {restart}: {count} worker(s) {where}",
@@ -393,16 +446,42 @@ class _Group:
             if self.interrupted is not None:
                 break
             time.sleep(0.05)
-        if failed or self.interrupted is not None:
+        if self.interrupted is not None:
+            self.ended(
+                f"the launcher's {signal.Signals(self.interrupted).name}"
+            )
             self._terminate_all()
+        elif failed:
+            self.ended(f"worker(s) {failed} failed")
+            # A worker that died leaves the others waiting in a collective
+            # that cannot finish: they stop at once (a hang report's
+            # writer gives the others time to write theirs).
+            self._terminate_all(
+                policy.stop_grace(
+                    [codes[i] for i in failed], self.grace_seconds
+                )
+            )
         codes = self.reap()
         return codes, failed, _read_reports(reports, count)
 
-    def start(self, workers):
-        """Starts `workers`, a list of `(index, argv, env)`; their output
-        lines are prefixed with `[worker index]`."""
+    def start(self, workers, attempt):
+        """Starts `workers`, a list of `(index, argv, env)`, as attempt
+        `attempt`; their output lines are prefixed with `[worker index]`,
+        and their start is timed (`timing`)."""
+        if self.timing is not None:
+            self.timing.close()
+        origin, why = self._ended or (self.began, "the launch")
+        self.timing = timing.AttemptTiming(
+            attempt,
+            origin,
+            why,
+            self._stopped_at if self._ended else None,
+            [index for index, _, _ in workers],
+        )
+        self._ended = self._stopped_at = None
         self.processes, self._readers = [], []
         for index, argv, env in workers:
+            env[PHASES_ENV] = self.timing.paths[index]
             process = subprocess.Popen(
                 argv,
                 env=env,
@@ -419,14 +498,28 @@ class _Group:
             self._readers.append(reader)
 
     def poll(self):
-        """Each worker's exit status, None while it runs."""
+        """Each worker's exit status, None while it runs (and the
+        attempt's phases logged once its workers trained a step)."""
+        if self.timing is not None:
+            self.timing.check(lambda line: _say(self.output, line))
         return [p.poll() for p in self.processes]
+
+    def ended(self, why):
+        """Notes that this host saw the running attempt end now, because
+        of `why` (the next attempt's phases count from here)."""
+        if self._ended is None:
+            self._ended = (time.time(), why)
 
     def reap(self):
         """Waits for every worker; returns their exit statuses."""
         codes = [p.wait() for p in self.processes]
+        self._stopped_at = time.time()
+        if self._ended is None:
+            self._ended = (self._stopped_at, "the workers exited")
         for reader in self._readers:
             reader.join(timeout=5)
+        if self.timing is not None:
+            self.timing.log(lambda line: _say(self.output, line), ended=True)
         return codes
 
     def _relay(self, index, process):
@@ -435,10 +528,14 @@ class _Group:
             _say(self.output, f"[worker {index}] {line}")
         process.stdout.close()
 
-    def _terminate_all(self):
+    def _terminate_all(self, grace_seconds=None):
+        """SIGTERM to every worker, SIGKILL to those still running after
+        `grace_seconds` (the group's grace if None)."""
+        if grace_seconds is None:
+            grace_seconds = self.grace_seconds
         for process in self.processes:
             _signal(process, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_seconds
+        deadline = time.monotonic() + grace_seconds
         for process in self.processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))

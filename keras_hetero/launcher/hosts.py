@@ -96,7 +96,8 @@ def launch_host(
         max_restarts: Restarts after failures, >= 0 (restarts that admit a
             host do not count). Defaults to `3`.
         grace_seconds: How long stopped workers get to exit before
-            SIGKILL. Defaults to `30.0`.
+            SIGKILL (after a worker died, 0.5 s at most:
+            `policy.stop_grace`). Defaults to `30.0`.
         env: Extra environment variables for the workers. Defaults to None.
         output: A text stream for the prefixed worker output and the
             launcher's lines. Defaults to `sys.stdout`.
@@ -133,12 +134,7 @@ def launch_host(
     ...             rdzv_endpoint="10.0.0.1:29400",
     ...             rdzv_bind="10.0.0.1")  # doctest: +SKIP
     """
-    if not command:
-        raise ValueError(
-            "Invalid value for argument `command`. Received: command="
-            f"{command!r}. Expected the worker command, e.g. "
-            '[sys.executable, "train.py"].'
-        )
+    group.check_command(command)
     min_hosts, max_hosts = policy.parse_nnodes(nnodes)
     check_int(
         "node_rank",
@@ -168,20 +164,8 @@ def launch_host(
     job = job_description(command, slots, environ)
     server = None
     if node_rank == 0:
-        bind = rdzv_bind
-        if bind is None:
-            if not policy.is_loopback(host):
-                raise ValueError(
-                    "Invalid value for argument `rdzv_bind`. Received: "
-                    f"rdzv_bind=None with rdzv_endpoint={rdzv_endpoint!r}. "
-                    "The rendezvous listens on loopback unless told "
-                    f"otherwise; for other hosts to reach {host}, pass "
-                    f"--rdzv-bind {host} (that address on this host) or "
-                    "--rdzv-bind 0.0.0.0 (every interface)."
-                )
-            bind = "::1" if ":" in host else "127.0.0.1"
         server = rendezvous.RendezvousServer(
-            bind,
+            _bind_address(rdzv_bind, rdzv_endpoint, host),
             port,
             token,
             min_hosts=min_hosts,
@@ -209,21 +193,29 @@ def launch_host(
         advertise_address,
         worker_ports,
     )
-    previous = (
-        {
-            number: signal.signal(number, agent.interrupt)
-            for number in (signal.SIGINT, signal.SIGTERM)
-        }
-        if threading.current_thread() is threading.main_thread()
-        else {}
-    )
     try:
-        return agent.run()
+        with group.signals_to(agent.interrupt):
+            return agent.run()
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
         if server is not None:
             server.close()
+
+
+def _bind_address(rdzv_bind, rdzv_endpoint, host):
+    """Where rank 0's rendezvous listens: `rdzv_bind`, or loopback for a
+    loopback endpoint (any other endpoint needs `rdzv_bind`)."""
+    if rdzv_bind is not None:
+        return rdzv_bind
+    if not policy.is_loopback(host):
+        raise ValueError(
+            "Invalid value for argument `rdzv_bind`. Received: "
+            f"rdzv_bind=None with rdzv_endpoint={rdzv_endpoint!r}. "
+            "The rendezvous listens on loopback unless told "
+            f"otherwise; for other hosts to reach {host}, pass "
+            f"--rdzv-bind {host} (that address on this host) or "
+            "--rdzv-bind 0.0.0.0 (every interface)."
+        )
+    return "::1" if ":" in host else "127.0.0.1"
 
 
 def job_description(command, slots, environ=None):
@@ -508,7 +500,8 @@ class _Agent:
             self._start(message)
         elif kind == "stop":
             if self._round == message["round"]:
-                self._stop_workers()
+                self.workers.ended("the rendezvous stopped the group")
+                self._stop_workers(message.get("grace"))
             channel.send(
                 {
                     "type": "finished",
@@ -546,7 +539,7 @@ class _Agent:
             if spec["devices"] is not None:
                 env["CUDA_VISIBLE_DEVICES"] = spec["devices"]
             workers.append((spec["index"], list(self.command), env))
-        self.workers.start(workers)
+        self.workers.start(workers, restart)
         self._round, self._reported_failure = restart, False
         _say(
             self.output,
@@ -562,6 +555,9 @@ class _Agent:
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if failed and not self._reported_failure:
             self._reported_failure = True
+            self.workers.ended(
+                f"worker {self._specs[failed[0]]['index']} failed"
+            )
             channel.send(
                 {
                     "type": "failed",
@@ -581,9 +577,11 @@ class _Agent:
             )
             self._round = None
 
-    def _stop_workers(self):
+    def _stop_workers(self, grace_seconds=None):
+        """Stops this host's workers: SIGTERM, then SIGKILL after
+        `grace_seconds` (the group's grace if None)."""
         if self._round is None:
             return
-        self.workers._terminate_all()
+        self.workers._terminate_all(grace_seconds)
         self._codes[self._round] = self.workers.reap()
         self._round = None

@@ -11,6 +11,8 @@ read no clock, socket or file, so tests call them directly.
 import dataclasses
 import ipaddress
 
+from keras_hetero._environment import HANG_EXIT_CODE
+
 
 def parse_nnodes(nnodes):
     """`--nnodes`: a host count `N` or a range `MIN:MAX`.
@@ -312,3 +314,33 @@ def job_mismatch(reference, other, *, rank, reference_rank=0):
             " Every host must run the same script, arguments and versions."
         )
     return None
+
+
+# How long the others of a group get after a worker died, before SIGKILL.
+PEER_STOP_SECONDS = 0.5
+
+
+def stop_grace(codes, grace_seconds):
+    """Seconds the other workers get to exit (after SIGTERM, before
+    SIGKILL) when workers of a group ended with exit statuses `codes`.
+
+    A worker that died (killed, crashed) leaves the others waiting in a
+    collective that can never finish, and their save on SIGTERM needs that
+    collective too: they get `PEER_STOP_SECONDS` (measured: the survivor
+    of a killed worker otherwise sat out 5 s until TensorFlow's own
+    heartbeat ended it). A worker that exited with `HANG_EXIT_CODE` wrote
+    a hang report, and the others are writing theirs (the launcher reads
+    them to leave a lost worker out): they keep `grace_seconds`, as do
+    workers stopped for any other reason (a signal to the launcher, a host
+    let in).
+
+    Example:
+
+    >>> stop_grace([-9], 30.0)
+    0.5
+    >>> stop_grace([75], 30.0)
+    30.0
+    """
+    if codes and all(c not in (0, HANG_EXIT_CODE) for c in codes):
+        return min(PEER_STOP_SECONDS, grace_seconds)
+    return grace_seconds

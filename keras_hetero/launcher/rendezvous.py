@@ -716,8 +716,17 @@ class RendezvousServer:
 
     def _stop_all(self):
         if self._state in ("running", "stopping"):
+            # After a failure (a worker's, or a lost host's: code None) the
+            # others wait in a collective that cannot finish: they stop at
+            # once (`policy.stop_grace`); to let a host in, with grace.
+            grace = self.grace_seconds
+            if self._stop_reason == "failure" and self._failure is not None:
+                grace = policy.stop_grace([self._failure[1]], grace)
             for rank in self._members:
-                self._send(rank, {"type": "stop", "round": self._round})
+                self._send(
+                    rank,
+                    {"type": "stop", "round": self._round, "grace": grace},
+                )
 
     def _lose(self, rank, why):
         host = self._hosts.pop(rank)

@@ -302,23 +302,9 @@ def plan_layout(
             for worker in entries
         ]
     else:
-        # One profile for several workers is scaled once.
-        distinct = list({id(p): p for p in measured}.values())
-        seconds, speeds, costs = common_scale(distinct, batch_size)
-        if layer_costs is not None:
-            costs = costs_lib.given_costs(names, layer_costs)
-        workers = []
-        for worker, worker_profile in zip(entries, measured):
-            index = distinct.index(worker_profile)
-            workers.append(
-                costs_lib.resolve_devices(
-                    worker,
-                    worker_profile,
-                    seconds[index],
-                    speeds[index],
-                    "cluster",
-                )
-            )
+        costs, workers = _profiled(
+            entries, measured, batch_size, names, layer_costs
+        )
     names_of = [[entry[0] for entry in worker] for worker in entries]
     cluster_devices = [
         [
@@ -383,6 +369,30 @@ def plan_layout(
         runnable or layouts.values(), key=lambda layout: layout.step_seconds
     )
     return LayoutChoice(layouts=layouts, best=best, cluster=cluster_devices)
+
+
+def _profiled(entries, measured, batch_size, names, layer_costs):
+    """`(costs, workers)` from profiles `measured` (one per worker): the
+    layer costs on the profiles' common scale (or `layer_costs`), and each
+    worker's devices resolved against its profile."""
+    # One profile for several workers is scaled once.
+    distinct = list({id(p): p for p in measured}.values())
+    seconds, speeds, costs = common_scale(distinct, batch_size)
+    if layer_costs is not None:
+        costs = costs_lib.given_costs(names, layer_costs)
+    workers = []
+    for worker, worker_profile in zip(entries, measured):
+        index = distinct.index(worker_profile)
+        workers.append(
+            costs_lib.resolve_devices(
+                worker,
+                worker_profile,
+                seconds[index],
+                speeds[index],
+                "cluster",
+            )
+        )
+    return costs, workers
 
 
 def _cluster(cluster):

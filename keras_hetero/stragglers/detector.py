@@ -11,6 +11,7 @@ import numpy as np
 from keras_hetero import _callback_protocol as base
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import _environment
 from keras_hetero import _scalar_writer as writer
 from keras_hetero._checks import check_int
 from keras_hetero._checks import check_number
@@ -118,7 +119,7 @@ class StragglerDetector(base.HeteroCallback):
     >>> # model.fit(data, callbacks=[detector]); detector.events
     """
 
-    HANG_EXIT_CODE = 75
+    HANG_EXIT_CODE = _environment.HANG_EXIT_CODE
 
     def __init__(
         self,

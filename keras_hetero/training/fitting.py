@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras_hetero import _callback_protocol
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import _phases
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.training import agreement
@@ -70,6 +71,7 @@ def _fit(model, keras_fit, x, y, args, kwargs):
     # Before anything else communicates: a setting that differs between
     # workers raises here on every worker instead of hanging a collective.
     agreement.check_fit(model, x, arguments)
+    _phases.mark(_phases.IN_FIT)
     batch_statistics.check_batch_normalization(
         model, dataset, kwargs.get("callbacks")
     )

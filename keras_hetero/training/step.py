@@ -38,6 +38,7 @@ import tensorflow as tf
 from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero import _phases
 from keras_hetero.training import aggregation
 from keras_hetero.training import loss_scale as loss_scale_lib
 from keras_hetero.training import runtime
@@ -68,21 +69,9 @@ def train_step(model, data):
     timed = not _compat.jit_compiled(model) and not (
         _distribute.is_parameter_server(tf.distribute.get_strategy())
     )
-    start = telemetry.clock([rows, *tf.nest.flatten(x)], timed)
-    with tf.control_dependencies([start]):
-        x = tf.nest.map_structure(
-            lambda t: None if t is None else tf.identity(t), x
-        )
-    with tf.GradientTape() as tape:
-        y_pred, mean_loss = forward(model, x, y, sample_weight, rows)
-        row_count = tf.cast(rows, tf.float32)
-        target = loss_scale_lib.loss_to_differentiate(
-            mean_loss, row_count, scale
-        )
-    variables = _trainable_variables(model)
-    grads = tape.gradient(target, variables) if variables else []
-    grads = loss_scale_lib.gradients_of_sum(grads, row_count, scale)
-    seconds = telemetry.clock([rows, *grads], timed) - start
+    x, y_pred, grads, variables, seconds = _replica_gradients(
+        model, (x, y, sample_weight), rows, scale, timed
+    )
     num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
     stats = telemetry.stats_vector(num_replicas, rows, seconds)
     # Metrics read only this step's predictions: updated here, before the
@@ -119,7 +108,7 @@ def train_step(model, data):
         divisor=divisor if accumulator is None else None,
     )
     global_rows = tf.reduce_sum(stats[:num_replicas])
-    ready = None
+    stored = rows_so_far = ready = None
     if accumulator is not None:
         grads, rows_so_far, ready = accumulator.add(grads, global_rows)
         stored = grads
@@ -127,6 +116,53 @@ def train_step(model, data):
             grads, loss_scale_lib.divisor(rows_so_far, scale)
         )
     grads = aggregation.clip_by_global_norm(grads, settings.global_clipnorm)
+    _update(
+        model,
+        (grads, variables),
+        scale,
+        global_rows,
+        (accumulator, stored, rows_so_far, ready),
+    )
+    if run.telemetry is not None:
+        run.telemetry.record(stats)
+    if packed:
+        sums = metric_sums[0] if metric_sums else []
+        return _compat.metrics_result_from(model, metric_variables, sums)
+    return global_logs(model)
+
+
+def _replica_gradients(model, data, rows, scale, timed):
+    """`(x, y_pred, grads, variables, seconds)`: this replica's forward
+    and backward pass on `data` (`(x, y, sample_weight)`), its gradients
+    of its loss SUM (see `loss_scale`), timed by the in-step clock (`x`
+    is returned as the clock's start orders it)."""
+    x, y, sample_weight = data
+    start = telemetry.clock([rows, *tf.nest.flatten(x)], timed)
+    with tf.control_dependencies([start]):
+        x = tf.nest.map_structure(
+            lambda t: None if t is None else tf.identity(t), x
+        )
+    with tf.GradientTape() as tape:
+        y_pred, mean_loss = forward(model, x, y, sample_weight, rows)
+        row_count = tf.cast(rows, tf.float32)
+        target = loss_scale_lib.loss_to_differentiate(
+            mean_loss, row_count, scale
+        )
+    variables = _trainable_variables(model)
+    grads = tape.gradient(target, variables) if variables else []
+    grads = loss_scale_lib.gradients_of_sum(grads, row_count, scale)
+    seconds = telemetry.clock([rows, *grads], timed) - start
+    return x, y_pred, grads, variables, seconds
+
+
+def _update(model, update, scale, global_rows, accumulated):
+    """Applies the aggregated gradients `update` = `(grads, variables)`
+    (skipped on a non-finite scaled step) after this step's data exists.
+    `accumulated` = `(accumulator, stored, rows_so_far, ready)`, all None
+    without gradient accumulation: with it, the update waits for `ready`
+    and the accumulator stores its sums."""
+    grads, variables = update
+    accumulator, stored, rows_so_far, ready = accumulated
 
     def apply(grads):
         _compat.apply_aggregated_gradients(model.optimizer, grads, variables)
@@ -155,12 +191,6 @@ def train_step(model, data):
             loss_scale_lib.guarded_apply(apply, grads, scale, ready)
         if accumulator is not None:
             accumulator.store(stored, rows_so_far, ready)
-    if run.telemetry is not None:
-        run.telemetry.record(stats)
-    if packed:
-        sums = metric_sums[0] if metric_sums else []
-        return _compat.metrics_result_from(model, metric_variables, sums)
-    return global_logs(model)
 
 
 def local_step(model, grads, variables, rows, stats):
@@ -310,6 +340,7 @@ def timed_train_function(model, function):
     def train_function(iterator):
         started = time.perf_counter()
         logs = function(iterator)
+        _phases.mark(_phases.FIRST_STEP)
         totals = None
         if isinstance(logs, dict):
             # Keras 3: the call read them (`train_function_extras`).

@@ -25,6 +25,7 @@ from keras_hetero import checkpointing
 from keras_hetero import launcher
 from keras_hetero._compat import keras
 from keras_hetero.data.arrays import from_arrays
+from keras_hetero.launcher import timing
 from tests.conftest import DEVICES
 from tests.support import elastic_inputs
 from tests.support import helpers
@@ -211,6 +212,22 @@ def test_kill_9_a_worker_under_the_launcher_then_finish_exactly(tmp_path):
     assert result.attempts[0].failed == (1,)
     assert result.attempts[0].exit_codes[1] == -signal.SIGKILL
     assert "[worker 1]" in log.getvalue() and "[launcher]" in log.getvalue()
+    # The restart, timed: the survivor, waiting in a collective for the
+    # killed worker, is stopped at once (not after grace_seconds=5), and
+    # the new attempt's phases come in order (`launcher.timing`).
+    timed = dict(filter(None, map(timing.parse, log.getvalue().splitlines())))
+    assert set(timed) == {0, 1}, context
+    assert list(timed[1]) == [
+        "peers stopped",
+        "started",
+        "imported",
+        "in fit",
+        "restored",
+        "first step",
+    ], context
+    assert list(timed[1].values()) == sorted(timed[1].values()), context
+    assert timed[1]["peers stopped"] < 1.0, context
+    assert "attempt 1 up, seconds since worker(s) [1] failed" in context
     resumed_from = _restored_step(out)
     assert resumed_from <= fault_at, context
     _assert_exactly_once(_committed(out, resumed_from))

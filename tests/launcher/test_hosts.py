@@ -30,6 +30,7 @@ from keras_hetero.launcher import devices
 from keras_hetero.launcher import hosts
 from keras_hetero.launcher import policy
 from keras_hetero.launcher import rendezvous
+from keras_hetero.launcher import timing
 from tests.checkpointing import test_elastic_processes as elastic
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
@@ -331,6 +332,16 @@ def test_two_hosts_auto_devices_and_a_restart_after_a_failed_worker(
     assert len(set(cluster)) == 3 and all(r["cluster"] == cluster for r in done)
     assert on1[(0, 2)]["cluster"] != cluster  # new ports after a restart
     assert "[rendezvous] worker 2 on host rank 1 exited with 3" in out0
+    # Each host times its attempts' start, from what it saw end the one
+    # before (these workers train no step: logged when they exit); rank
+    # 0's are stopped at once when the group stops for a failed worker.
+    since = "attempt 1 ended before every worker trained a step, seconds since"
+    assert f"{since} the rendezvous stopped the group" in out0
+    assert f"{since} worker 2 failed" in out1
+    for output in (out0, out1):
+        timed = dict(filter(None, map(timing.parse, output.splitlines())))
+        assert list(timed[1]) == ["peers stopped", "started"], output
+        assert timed[1]["peers stopped"] < 1.0, output
 
 
 @pytest.mark.slow
@@ -633,6 +644,18 @@ def test_two_hosts_with_2_and_1_workers_train_like_one_device(tmp_path):
             seen[worker] = (record["devices"], record["workers"], host)
     assert seen == {0: ("0", 3, 0), 1: ("1", 3, 0), 2: ("0", 3, 1)}
     assert _rounds(job.text(0)) == [(3, [0, 1])]
+    # Each host timed its workers' start, every phase in order.
+    for host in (0, 1):
+        lines = job.text(host).splitlines()
+        timed = dict(filter(None, map(timing.parse, lines)))
+        assert list(timed[0]) == [
+            "started",
+            "imported",
+            "in fit",
+            "restored",
+            "first step",
+        ], job.text(host)
+        assert list(timed[0].values()) == sorted(timed[0].values())
     committed, _ = elastic._committed_attempts(out)
     elastic._assert_exactly_once(committed)
     initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))

@@ -207,6 +207,7 @@ LAYERS = (
     (  # Foundations: argument checks, Keras flavours, strategy facts.
         "keras_hetero._checks",
         "keras_hetero._environment",
+        "keras_hetero._phases",
         "keras_hetero._compat",
         "keras_hetero._batches",
         "keras_hetero._distribute",
