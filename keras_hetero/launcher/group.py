@@ -520,6 +520,7 @@ class _Group:
             reader.join(timeout=5)
         if self.timing is not None:
             self.timing.log(lambda line: _say(self.output, line), ended=True)
+            self.timing.close()
         return codes
 
     def _relay(self, index, process):

@@ -333,11 +333,15 @@ def test_two_hosts_auto_devices_and_a_restart_after_a_failed_worker(
     assert on1[(0, 2)]["cluster"] != cluster  # new ports after a restart
     assert "[rendezvous] worker 2 on host rank 1 exited with 3" in out0
     # Each host times its attempts' start, from what it saw end the one
-    # before (these workers train no step: logged when they exit); rank
-    # 0's are stopped at once when the group stops for a failed worker.
+    # before (these workers train no step: logged when they exit): rank
+    # 1 its worker's failure; rank 0 the stop, or its own workers' exit if
+    # they finished first. Stopped workers are stopped at once.
     since = "attempt 1 ended before every worker trained a step, seconds since"
-    assert f"{since} the rendezvous stopped the group" in out0
     assert f"{since} worker 2 failed" in out1
+    assert (
+        f"{since} the rendezvous stopped the group" in out0
+        or f"{since} the workers exited" in out0
+    ), out0
     for output in (out0, out1):
         timed = dict(filter(None, map(timing.parse, output.splitlines())))
         assert list(timed[1]) == ["peers stopped", "started"], output
