@@ -300,6 +300,9 @@ class ElasticCheckpoint(base.HeteroCallback):
                     companion.set_state(state)
 
     def on_train_batch_end(self, batch, logs=None):
+        # `step.timed_train_function` marks it too, but a ParameterServer
+        # fit runs no such function: this covers it (the second mark of a
+        # process is a set lookup).
         _phases.mark(_phases.FIRST_STEP)
         self._writer.raise_error()
         steps = self._steps_of_call(batch)
