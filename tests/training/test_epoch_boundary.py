@@ -685,7 +685,10 @@ def test_share_changes_apply_from_the_batch_they_name(steps_per_execution):
     )
     assert starts[0] == key(1, 0)
     # The pipeline runs a few batches ahead (as `ShardRebalancer.lag` allows).
-    assert key(2, 0) <= starts[1] < key(2, 6)
+    # Under Keras 3 it may not have started the next pass yet at
+    # `on_epoch_end` (a busy machine): the change then names the batch after
+    # the pass's last, `(1, 6)`, and applies from the next pass's first.
+    assert key(1, 6) <= starts[1] < key(2, 6)
     schedule = [((0, 0), [8, 8]), (starts[0], [4, 12]), (starts[1], [12, 4])]
     expected = []
     for batch in [
