@@ -90,6 +90,18 @@ def _children(pid):
     return found
 
 
+def _is_spare(pid):
+    """Whether `pid` is a launcher's warm spare (`launcher.warm`) that no
+    worker took yet (it waits reading its stdin)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"warm.main()" not in f.read():
+                return False
+        return os.readlink(f"/proc/{pid}/fd/0").startswith("pipe:")
+    except OSError:
+        return False
+
+
 def _kill(pid):
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
@@ -185,6 +197,7 @@ class _Job:
             "10000",
             "--grace-seconds",
             "5",
+            *(["--no-warm"] if args.no_warm else []),
             TRAIN,
             "--out",
             self.out,
@@ -213,11 +226,13 @@ class _Job:
         return launcher is not None and launcher.poll() is None
 
     def workers(self):
+        """The launchers' workers (not their warm spares)."""
         return [
             pid
             for rank in self.launchers
             if self.up(rank)
             for pid in _children(self.launchers[rank].pid)
+            if not _is_spare(pid)
         ]
 
     def kill_host(self, rank):
@@ -417,6 +432,11 @@ def main():
         help="seconds before a killed host's launcher is started again",
     )
     parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument(
+        "--no-warm",
+        action="store_true",
+        help="restart workers as new processes (keras-hetero run --no-warm)",
+    )
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=256)
     # One worker kill 10 to 12 s in, then the job stops.
@@ -439,7 +459,8 @@ def main():
             f"{args.width}, global batch {args.batch}, checkpoint every "
             f"{args.save_every} steps, a kill every {args.every[0]:g}-"
             f"{args.every[1]:g} s (seed {args.seed}, host share "
-            f"{args.host_share:g})",
+            f"{args.host_share:g}), restarts "
+            f"{'cold (--no-warm)' if args.no_warm else 'warm'}",
         ),
         flush=True,
     )

@@ -6,6 +6,8 @@ hang report where `HANG_REPORT_ENV` says) use them, and the callbacks sit
 below the launcher.
 """
 
+# The cluster and this worker's task in it (TensorFlow's own variable).
+TF_CONFIG_ENV = "TF_CONFIG"
 # How many times the group was restarted before this attempt ("0" first).
 RESTART_ENV = "KERAS_HETERO_RESTART"
 # Workers in this attempt's group.

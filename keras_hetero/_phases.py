@@ -14,8 +14,12 @@ The phases, in the order a worker reaches them:
 - `RESTORED`: `ElasticCheckpoint` restored the newest checkpoint (or found
   none);
 - `FIRST_STEP`: the first train step done (traced and run).
+
+With `IMPORTED` the file gets the values `IMPORT_ENV` had then, which a
+warm spare for the next attempt imports with (`launcher.warm`).
 """
 
+import json
 import os
 import time
 
@@ -26,6 +30,11 @@ IN_FIT = "in fit"
 RESTORED = "restored"
 FIRST_STEP = "first step"
 ORDER = (IMPORTED, IN_FIT, RESTORED, FIRST_STEP)
+# Read when TensorFlow or Keras is imported (the Keras flavour,
+# `keras_hetero._compat.flavour`; Keras 3's backend; oneDNN's kernels): a
+# process imported with one value cannot serve a script that wants another.
+IMPORT_ENV = ("TF_USE_LEGACY_KERAS", "KERAS_BACKEND", "TF_ENABLE_ONEDNN_OPTS")
+_ENV_LINE = "import env"
 
 _marked = set()
 
@@ -33,17 +42,37 @@ _marked = set()
 def mark(name):
     """Records that this process reached phase `name` now (the first
     time only; nothing without the launcher's `PHASES_ENV`)."""
-    if name in _marked:
+    path = os.environ.get(PHASES_ENV)
+    if not path or name in _marked:
         return
     _marked.add(name)
-    path = os.environ.get(PHASES_ENV)
-    if not path:
-        return
+    line = f"{name}\t{time.time():.6f}\n"
+    if name == IMPORTED:
+        values = {n: os.environ.get(n) for n in IMPORT_ENV}
+        line += f"{_ENV_LINE}\t{json.dumps(values)}\n"
     try:
         with open(path, "a") as f:
-            f.write(f"{name}\t{time.time():.6f}\n")
+            f.write(line)
     except OSError:
         pass  # timing is for the log only: never fail a worker over it
+
+
+def import_env(path):
+    """The `IMPORT_ENV` values a worker had when it imported keras_hetero
+    (from its phases file), or None if it has not."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition("\t")
+        if name == _ENV_LINE:
+            try:
+                return json.loads(value)
+            except ValueError:
+                return None
+    return None
 
 
 def read(path):

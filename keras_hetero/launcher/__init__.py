@@ -8,7 +8,9 @@
 (`--workers`, `--workers-per-host`). `cli.py` is the command line
 (`keras-hetero run`, `python -m keras_hetero.run`); `ports.py` finds free
 ports (also for `kh.testing.run_workers`), or free ports of a range
-(`--worker-ports`); `addresses.py` checks `--advertise-address`.
+(`--worker-ports`); `addresses.py` checks `--advertise-address`;
+`timing.py` times each attempt's start and `warm.py` keeps the spares
+restarted workers run in.
 """
 
 from keras_hetero._environment import HANG_REPORT_ENV as HANG_REPORT_ENV

@@ -94,6 +94,15 @@ def _add_run_arguments(parser):
     )
     parser.add_argument("--grace-seconds", type=float, default=30.0)
     parser.add_argument(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="start every worker as a new process (default: restarted "
+        "workers run in spares that imported TensorFlow, Keras and "
+        "keras_hetero while the previous attempt trained, one idle "
+        "process per worker)",
+    )
+    parser.add_argument(
         "--worker-ports",
         default=None,
         metavar="A-B",
@@ -270,6 +279,7 @@ def _launch_from_arguments(args):
                 worker_ports=args.worker_ports,
                 advertise_address=args.advertise_address,
                 devices_per_host=args.devices_per_host,
+                warm=args.warm,
             )
         else:
             _check_multi_host(args)
@@ -290,6 +300,7 @@ def _launch_from_arguments(args):
                 grace_seconds=args.grace_seconds,
                 worker_ports=args.worker_ports,
                 advertise_address=args.advertise_address,
+                warm=args.warm,
             )
     except ValueError as error:
         print(f"keras-hetero: {error}", file=sys.stderr)

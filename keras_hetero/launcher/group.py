@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 
+from keras_hetero import _phases
 from keras_hetero._checks import check_int
 from keras_hetero._environment import HANG_REPORT_ENV
 from keras_hetero._environment import NUM_WORKERS_ENV
@@ -52,6 +53,7 @@ from keras_hetero.launcher import devices
 from keras_hetero.launcher import policy
 from keras_hetero.launcher import ports as port_ranges
 from keras_hetero.launcher import timing
+from keras_hetero.launcher import warm as warm_workers
 from keras_hetero.launcher.ports import free_ports
 
 
@@ -106,6 +108,7 @@ def launch(
     worker_ports=None,
     advertise_address=None,
     devices_per_host=None,
+    warm=True,
 ):
     """Runs `command` as `workers` local TF workers, restarting on failure.
 
@@ -158,6 +161,11 @@ def launch(
             of discovering them (`nvidia-smi -L`, or the launcher's own
             `CUDA_VISIBLE_DEVICES`); 0 leaves `CUDA_VISIBLE_DEVICES` alone,
             so every worker sees every GPU. Defaults to None (discover).
+        warm: Restart workers in warm spares, processes that imported
+            TensorFlow, Keras and keras_hetero while the previous attempt
+            ran (`launcher.warm`: one idle process per worker; a command
+            that is not `python SCRIPT|-m MODULE ...` starts cold anyway).
+            Defaults to `True`.
 
     Returns:
         A `LaunchResult`.
@@ -192,17 +200,22 @@ def launch(
         devices_per_host=devices_per_host,
     )
     output = output or sys.stdout
-    group = _Group(output, grace_seconds, hosts, address, worker_ports, slots)
+    group = _Group(
+        output, grace_seconds, hosts, address, worker_ports, slots, warm
+    )
     with signals_to(group.interrupt):
-        return _run_attempts(
-            group,
-            command,
-            workers,
-            env or {},
-            max_restarts=max_restarts,
-            min_workers=min_workers,
-            backoff=(float(backoff_seconds), float(max_backoff_seconds)),
-        )
+        try:
+            return _run_attempts(
+                group,
+                command,
+                workers,
+                env or {},
+                max_restarts=max_restarts,
+                min_workers=min_workers,
+                backoff=(float(backoff_seconds), float(max_backoff_seconds)),
+            )
+        finally:
+            group.close_spares()
 
 
 @contextlib.contextmanager
@@ -366,6 +379,7 @@ class _Group:
         address="127.0.0.1",
         port_range=None,
         slots=None,
+        warm=True,
     ):
         self.output = output
         self.hosts = hosts
@@ -381,6 +395,12 @@ class _Group:
         self._ended = None  # (wall time, what happened)
         self._stopped_at = None
         self.timing = None
+        # Warm workers (`warm`): spares for the next attempt, started once
+        # this one is up; what this attempt's workers were started with.
+        self.warm = warm
+        self._lower_priority = warm and warm_workers.can_lower_priority()
+        self._spares, self._workers, self._up_at = [], [], None
+        self._start_spares_at = float("inf")
 
     def interrupt(self, number, frame):
         if self.interrupted is not None:
@@ -478,11 +498,12 @@ class _Group:
             self._stopped_at if self._ended else None,
             [index for index, _, _ in workers],
         )
-        self._ended = self._stopped_at = None
+        self._ended = self._stopped_at = self._up_at = None
         self.processes, self._readers = [], []
+        self._workers = list(workers)
         for index, argv, env in workers:
             env[PHASES_ENV] = self.timing.paths[index]
-            process = subprocess.Popen(
+            process = self._take_spare(index, argv, env) or subprocess.Popen(
                 argv,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -496,13 +517,64 @@ class _Group:
             )
             reader.start()
             self._readers.append(reader)
+        self.close_spares()  # those no worker of this attempt could use
+
+    def _take_spare(self, index, argv, env):
+        """Worker `index` as a warm spare's process, or None."""
+        for spare in list(self._spares):
+            if not spare.serves(argv, env):
+                continue
+            self._spares.remove(spare)
+            process = spare.take(argv, env)
+            if process is not None:
+                return process
+            self.warm = False
+            _say(
+                self.output,
+                f"[launcher] worker {index}'s warm spare had exited "
+                f"({spare.process.returncode}); starting workers cold from "
+                f"now on. It printed: {spare.output()}",
+            )
+            spare.close()
+        return None
 
     def poll(self):
         """Each worker's exit status, None while it runs (and the
-        attempt's phases logged once its workers trained a step)."""
+        attempt's phases logged once its workers trained a step; then the
+        spares for the next attempt started)."""
         if self.timing is not None:
             self.timing.check(lambda line: _say(self.output, line))
+            if self.timing.logged and self._up_at is None:
+                self._up_at = time.monotonic()
+                self._start_spares_at = (
+                    self._up_at + warm_workers.START_AFTER_SECONDS
+                )
+            if (
+                self.warm
+                and self._up_at is not None
+                and not self._spares
+                and time.monotonic() >= self._start_spares_at
+            ):
+                self._start_spares()
         return [p.poll() for p in self.processes]
+
+    def _start_spares(self):
+        self._start_spares_at = float("inf")  # once per attempt
+        for index, argv, env in self._workers:
+            imported = _phases.import_env(self.timing.paths[index])
+            if imported is None or warm_workers.spare_command(argv) is None:
+                continue  # no keras_hetero import to save, or no Python
+            self._spares.append(
+                warm_workers.Spare(
+                    argv, env, imported, lower_priority=self._lower_priority
+                )
+            )
+
+    def close_spares(self):
+        """Stops the spares no worker took."""
+        for spare in self._spares:
+            spare.close()
+        self._spares = []
 
     def ended(self, why):
         """Notes that this host saw the running attempt end now, because
@@ -514,6 +586,15 @@ class _Group:
         """Waits for every worker; returns their exit statuses."""
         codes = [p.wait() for p in self.processes]
         self._stopped_at = time.time()
+        if self.warm and warm_workers.REFUSED_EXIT_CODE in codes:
+            self.warm = False
+            self.close_spares()
+            _say(
+                self.output,
+                "[launcher] a warm worker's script changed how TensorFlow "
+                "or Keras is imported (its output says which variable): "
+                "workers start cold from now on",
+            )
         if self._ended is None:
             self._ended = (self._stopped_at, "the workers exited")
         for reader in self._readers:

@@ -50,6 +50,7 @@ def launch_host(
     output=None,
     worker_ports=None,
     advertise_address=None,
+    warm=True,
 ):
     """Runs this host's part of a multi-host job (`keras-hetero run
     --nnodes ...`).
@@ -112,6 +113,8 @@ def launch_host(
             interface name (its IPv4 address), e.g. the fast network's.
             Defaults to None (the address this host reached the rendezvous
             from).
+        warm: Restart this host's workers in warm spares (see `launch`).
+            Defaults to `True`.
 
     Returns:
         A `LaunchResult`: the job's exit code (the same on every host) and
@@ -186,7 +189,7 @@ def launch_host(
         slots,
         job,
         float(rdzv_timeout),
-        group._Group(output, grace_seconds),
+        group._Group(output, grace_seconds, warm=warm),
         env or {},
         output,
         server,
@@ -197,6 +200,7 @@ def launch_host(
         with group.signals_to(agent.interrupt):
             return agent.run()
     finally:
+        agent.workers.close_spares()
         if server is not None:
             server.close()
 
