@@ -261,17 +261,21 @@ class _Job:
         return max((int(number) for number in found), default=0)
 
     def restart_phases(self):
-        """`{phase: [seconds, ...]}` over the restarts (attempts after the
-        first) as each host's launcher timed them (`launcher.timing`)."""
-        phases = {}
+        """`{"warm" | "cold": {phase: [seconds, ...]}}` over the restarts
+        (attempts after the first) as each host's launcher timed them
+        (`launcher.timing`): warm where every worker there ran in a warm
+        spare (`launcher.warm`)."""
+        phases = {"warm": {}, "cold": {}}
         for log in self.logs:
             with open(log.name) as f:
                 for line in f:
                     parsed = timing.parse(line)
                     if parsed is None or parsed[0] == 0:
                         continue
+                    warm = timing.warm_workers(line)
+                    kind = "warm" if warm and warm[0] == warm[1] else "cold"
                     for name, seconds in parsed[1].items():
-                        phases.setdefault(name, []).append(seconds)
+                        phases[kind].setdefault(name, []).append(seconds)
         return phases
 
     def tail(self, lines=40):
@@ -390,10 +394,26 @@ def run(args):
     finally:
         job.close()
         shutil.rmtree(folder, ignore_errors=True)
-    phase_rows = [
-        [name, len(seconds), f"{np.median(seconds):.2f}", f"{max(seconds):.2f}"]
-        for name, seconds in phases.items()
+    phase_rows = []
+    for name in phases["warm"].keys() | phases["cold"].keys():
+        row = [name]
+        for kind in ("warm", "cold"):
+            seconds = phases[kind].get(name, [])
+            if not seconds:
+                row += [0, "", ""]
+                continue
+            median, most = np.median(seconds), max(seconds)
+            row += [len(seconds), f"{median:.2f}", f"{most:.2f}"]
+        phase_rows.append(row)
+    order = [
+        "peers stopped",
+        "started",
+        "imported",
+        "in fit",
+        "restored",
+        "first step",
     ]
+    phase_rows.sort(key=lambda row: order.index(row[0]))
     return phase_rows, [
         f"{args.minutes:g}",
         f"{kills['worker'] + kills['host']} "
@@ -469,11 +489,21 @@ def main():
     print(
         "Restart phases, seconds from when each host's launcher saw the "
         "attempt end (a worker failed, or the rendezvous stopped the "
-        "group); each phase when the host's slowest worker reached it:"
+        "group); each phase when the host's slowest worker reached it; warm: "
+        "the host's workers ran in warm spares:"
     )
     print(
         markdown_table(
-            ["phase", "restarts timed", "median s", "max s"], phase_rows
+            [
+                "phase",
+                "warm: timed",
+                "median s",
+                "max s",
+                "cold: timed",
+                "median s",
+                "max s",
+            ],
+            phase_rows,
         )
     )
     print()

@@ -39,16 +39,18 @@ _ENV_LINE = "import env"
 _marked = set()
 
 
-def mark(name):
+def mark(name, imported_with=None):
     """Records that this process reached phase `name` now (the first
-    time only; nothing without the launcher's `PHASES_ENV`)."""
+    time only; nothing without the launcher's `PHASES_ENV`). With
+    `IMPORTED`, `imported_with` are the `IMPORT_ENV` values the libraries
+    were imported with (default: this environment's now)."""
     path = os.environ.get(PHASES_ENV)
     if not path or name in _marked:
         return
     _marked.add(name)
     line = f"{name}\t{time.time():.6f}\n"
     if name == IMPORTED:
-        values = {n: os.environ.get(n) for n in IMPORT_ENV}
+        values = imported_with or {n: os.environ.get(n) for n in IMPORT_ENV}
         line += f"{_ENV_LINE}\t{json.dumps(values)}\n"
     try:
         with open(path, "a") as f:

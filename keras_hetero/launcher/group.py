@@ -503,7 +503,9 @@ class _Group:
         self._workers = list(workers)
         for index, argv, env in workers:
             env[PHASES_ENV] = self.timing.paths[index]
-            process = self._take_spare(index, argv, env) or subprocess.Popen(
+            process = self._take_spare(index, argv, env)
+            self.timing.warm += process is not None
+            process = process or subprocess.Popen(
                 argv,
                 env=env,
                 stdout=subprocess.PIPE,

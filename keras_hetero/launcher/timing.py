@@ -13,14 +13,16 @@ group):
   `ElasticCheckpoint`, is left out).
 
 The line is logged once every worker here trained a step, or when the
-attempt ends before that, with the phases reached:
+attempt ends before that, with the phases reached (and how many workers
+ran in warm spares, `launcher.warm`, if any did):
 
-    [launcher] attempt 1 up, seconds since worker(s) [1] failed: peers
-    stopped 0.52, started 0.53, imported 3.10, in fit 4.02, restored
-    4.11, first step 5.87
+    [launcher] attempt 1 up (1 of 1 warm), seconds since worker(s) [1]
+    failed: peers stopped 0.52, started 0.53, imported 0.55, in fit
+    1.62, restored 2.11, first step 2.87
 """
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -55,6 +57,8 @@ class AttemptTiming:
         }
         self.logged = False
         self._next_read = 0.0
+        # How many of the workers ran in warm spares (`launcher.warm`).
+        self.warm = 0
 
     def phases(self):
         """`[(phase, seconds since origin)]`, in order, of the phases every
@@ -89,6 +93,8 @@ class AttemptTiming:
             return
         self.logged = True
         state = "ended before every worker trained a step" if ended else "up"
+        if self.warm:
+            state += f" ({self.warm} of {len(self.paths)} warm)"
         text = ", ".join(
             f"{name} {seconds:.2f}" for name, seconds in self.phases()
         )
@@ -100,6 +106,19 @@ class AttemptTiming:
     def close(self):
         """Removes the phase files."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def warm_workers(line):
+    """`(warm, workers)` from a logged line that says it, else None.
+
+    Example:
+
+    >>> warm_workers("[launcher] attempt 2 up (1 of 2 warm), seconds "
+    ...              "since worker(s) [0] failed: started 0.1")
+    (1, 2)
+    """
+    match = re.search(r"\((\d+) of (\d+) warm\), seconds since ", line)
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 def parse(line):

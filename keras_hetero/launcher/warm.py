@@ -32,12 +32,16 @@ starts every later worker cold (`launch(warm=False)`, `keras-hetero run
 --no-warm`, from the start).
 """
 
+import importlib.machinery
+import io
 import json
 import os
 import resource
 import runpy
 import subprocess
 import sys
+import types
+import zipfile
 
 from keras_hetero import _phases
 from keras_hetero._environment import HANG_REPORT_ENV
@@ -290,15 +294,31 @@ def main():
     os.environ.clear()
     os.environ.update(spec["env"])
     os.environ.__class__ = _Watched
-    # This worker's `imported` phase: now (the spare imported before).
-    _phases.mark(_phases.IMPORTED)
+    # This worker's `imported` phase: now (the spare imported before),
+    # with what it imported with (the next spare imports the same).
+    _phases.mark(_phases.IMPORTED, imported_with=dict(_imported))
     _, _, kind, target, args = _split(spec["argv"])
     if kind == "module":
         sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return 0
     sys.argv = [target, *args]
+    path = os.path.abspath(target)
     if not getattr(sys.flags, "safe_path", False):  # -P, Python 3.11+
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-    runpy.run_path(target, run_name="__main__")
+        sys.path[0] = os.path.dirname(path)
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        runpy.run_path(target, run_name="__main__")  # a directory, a zip
+        return 0
+    # As `python SCRIPT` runs it: `sys.argv[0]` as given, `__file__`
+    # absolute (Python 3.9+), a new `__main__` (runpy's would set
+    # `sys.argv[0]` to the path).
+    main_module = types.ModuleType("__main__")
+    main_module.__file__ = path
+    main_module.__loader__ = importlib.machinery.SourceFileLoader(
+        "__main__", path
+    )
+    sys.modules["__main__"] = main_module
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, main_module.__dict__)
     return 0
