@@ -138,10 +138,22 @@ record = {
     "legacy": kh._compat.IS_LEGACY,
     "restart": restart,
     "stdin": sys.stdin.read(),
+    "pid": os.getpid(),
 }
 if index == 1:
+    # Worker 0 exits 0 first: its record, then its process gone.
     while not os.path.exists(os.path.join(sys.argv[1], "run0.json")):
-        time.sleep(0.05)  # worker 0 exits 0 first
+        time.sleep(0.05)
+    with open(os.path.join(sys.argv[1], "run0.json")) as f:
+        pid = json.load(f)["pid"]
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
 with open(os.path.join(sys.argv[1], f"run{index}.json.tmp"), "w") as f:
     json.dump(record, f)
 os.rename(f.name, f.name[:-4])
@@ -181,6 +193,7 @@ def test_a_restarted_worker_runs_in_a_warm_spare_as_a_new_process_would(
         assert phases["imported"] - phases["started"] < 0.5, log
     for index in (0, 1):
         record = json.loads((tmp_path / f"run{index}.json").read_text())
+        del record["pid"]
         assert record == {
             "argv": ["job.py", str(tmp_path)],
             "name": "__main__",
