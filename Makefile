@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # at once. Tests marked `serial` (judged by measured speed) run alone
 # afterwards. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
-PYTEST := -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=10
+PYTEST := -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
 # The oldest tested versions (docs/versions.md): Colab's TensorFlow and
 # Keras, installed first as a user has them; `pip install .` must keep them.

@@ -399,8 +399,8 @@ class _Group:
         # this one is up; what this attempt's workers were started with.
         self.warm = warm
         self._lower_priority = warm and warm_workers.can_lower_priority()
-        self._spares, self._workers, self._up_at = [], [], None
-        self._start_spares_at = float("inf")
+        self._spares, self._pending = [], []
+        self._next_spare_check = 0.0
 
     def interrupt(self, number, frame):
         if self.interrupted is not None:
@@ -498,9 +498,14 @@ class _Group:
             self._stopped_at if self._ended else None,
             [index for index, _, _ in workers],
         )
-        self._ended = self._stopped_at = self._up_at = None
+        self._ended = self._stopped_at = None
         self.processes, self._readers = [], []
-        self._workers = list(workers)
+        # This attempt's workers that may get a spare for the next.
+        self._pending = [
+            worker
+            for worker in workers
+            if self.warm and warm_workers.spare_command(worker[1]) is not None
+        ]
         for index, argv, env in workers:
             env[PHASES_ENV] = self.timing.paths[index]
             process = self._take_spare(index, argv, env)
@@ -542,30 +547,25 @@ class _Group:
 
     def poll(self):
         """Each worker's exit status, None while it runs (and the
-        attempt's phases logged once its workers trained a step; then the
+        attempt's phases logged once its workers trained a step; the
         spares for the next attempt started)."""
         if self.timing is not None:
             self.timing.check(lambda line: _say(self.output, line))
-            if self.timing.logged and self._up_at is None:
-                self._up_at = time.monotonic()
-                self._start_spares_at = (
-                    self._up_at + warm_workers.START_AFTER_SECONDS
-                )
-            if (
-                self.warm
-                and self._up_at is not None
-                and not self._spares
-                and time.monotonic() >= self._start_spares_at
-            ):
+            if self._pending and time.monotonic() >= self._next_spare_check:
+                self._next_spare_check = time.monotonic() + 0.25
                 self._start_spares()
         return [p.poll() for p in self.processes]
 
     def _start_spares(self):
-        self._start_spares_at = float("inf")  # once per attempt
-        for index, argv, env in self._workers:
+        """A spare for each worker of this attempt that has imported
+        keras_hetero (with what it imported with; a worker that never
+        does gets none: no import to save)."""
+        for worker in list(self._pending):
+            index, argv, env = worker
             imported = _phases.import_env(self.timing.paths[index])
-            if imported is None or warm_workers.spare_command(argv) is None:
-                continue  # no keras_hetero import to save, or no Python
+            if imported is None or not self.warm:
+                continue
+            self._pending.remove(worker)
             self._spares.append(
                 warm_workers.Spare(
                     argv, env, imported, lower_priority=self._lower_priority

@@ -13,11 +13,12 @@ a process; the spare runs the script as `python SCRIPT ARGS` (or `python
 
 A spare is used once (it becomes the worker), so no TensorFlow runtime is
 ever reused after a failed collective, and nothing is forked. The launcher
-starts the next attempt's spares `START_AFTER_SECONDS` after every worker
-of the running attempt trained a step (not while the workers start), at
-the lowest CPU priority where it can give the priority back when the
-spare becomes a worker (as root, or within `RLIMIT_NICE`). Each costs one
-idle process with the libraries imported (about 0.5 GB) per worker.
+starts a worker's spare for the next attempt once that worker has imported
+keras_hetero (so its own import goes first), at the lowest CPU priority
+where it can give the priority back when the spare becomes a worker (as
+root, or within `RLIMIT_NICE`): on a busy CPU it imports in the gaps. Each
+costs one idle process with the libraries imported (about 0.5 GB) per
+worker.
 
 A spare serves a worker only if its command is a Python interpreter
 running a script or a module (`spare_command`) and its environment equals
@@ -61,9 +62,6 @@ PER_ATTEMPT_ENV = (
 # A spare's exit status when the script set an import-time variable to a
 # value other than the one the spare imported with.
 REFUSED_EXIT_CODE = 76
-# How long after every worker of an attempt trained a step the launcher
-# starts the spares for the next: the workers' own start goes first.
-START_AFTER_SECONDS = 3.0
 # Python's options without an argument that leave the script's run as it
 # is (`-c`, `-i`, `-h`, `-V` and long options are not warmed); `-W` and
 # `-X` take one.
