@@ -551,13 +551,22 @@ class _Group:
         spares for the next attempt started)."""
         if self.timing is not None:
             self.timing.check(lambda line: _say(self.output, line))
-            if self._pending and time.monotonic() >= self._next_spare_check:
+            # The spares import once the attempt is up: during a restart
+            # they would compete with the workers' start, when every
+            # second counts (measured: benchmarks/RESULTS.md, "Warm
+            # workers").
+            up = self.timing.logged
+            if (
+                up
+                and self._pending
+                and time.monotonic() >= self._next_spare_check
+            ):
                 self._next_spare_check = time.monotonic() + 0.25
                 self._start_spares()
         return [p.poll() for p in self.processes]
 
     def _start_spares(self):
-        """A spare for each worker of this attempt that has imported
+        """A spare for each worker of this attempt that imported
         keras_hetero (with what it imported with; a worker that never
         does gets none: no import to save)."""
         for worker in list(self._pending):

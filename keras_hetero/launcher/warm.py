@@ -13,12 +13,14 @@ a process; the spare runs the script as `python SCRIPT ARGS` (or `python
 
 A spare is used once (it becomes the worker), so no TensorFlow runtime is
 ever reused after a failed collective, and nothing is forked. The launcher
-starts a worker's spare for the next attempt once that worker has imported
-keras_hetero (so its own import goes first), at the lowest CPU priority
-where it can give the priority back when the spare becomes a worker (as
-root, or within `RLIMIT_NICE`): on a busy CPU it imports in the gaps. Each
-costs one idle process with the libraries imported (about 0.5 GB) per
-worker.
+starts the spares for the next attempt once every worker of this one
+trained a step (not while they start: a restart is where every second
+counts), one per worker that imported keras_hetero, at the lowest CPU
+priority where it can give the priority back when the spare becomes a
+worker (as root, or within `RLIMIT_NICE`): on a busy CPU they import in
+its gaps, and a spare still importing when a restart comes is handed its
+worker all the same (it is then ahead of a new process). Each costs one
+idle process with the libraries imported (about 0.5 GB) per worker.
 
 A spare serves a worker only if its command is a Python interpreter
 running a script or a module (`spare_command`) and its environment equals
