@@ -405,15 +405,7 @@ def run(args):
             median, most = np.median(seconds), max(seconds)
             row += [len(seconds), f"{median:.2f}", f"{most:.2f}"]
         phase_rows.append(row)
-    order = [
-        "peers stopped",
-        "started",
-        "imported",
-        "in fit",
-        "restored",
-        "first step",
-    ]
-    phase_rows.sort(key=lambda row: order.index(row[0]))
+    phase_rows.sort(key=lambda row: timing.PHASES.index(row[0]))
     return phase_rows, [
         f"{args.minutes:g}",
         f"{kills['worker'] + kills['host']} "
@@ -424,6 +416,29 @@ def run(args):
         f"{100 * useful / wall:.0f}% ({useful:.0f} of {wall:.0f} s)",
         f"{'yes' if equal else 'no'} (max abs diff {largest:.1e})",
     ]
+
+
+def _print_phases(phase_rows):
+    print(
+        "Restart phases, seconds from when each host's launcher saw the "
+        "attempt end (a worker failed, or the rendezvous stopped the "
+        "group); each phase when the host's slowest worker reached it; warm: "
+        "the host's workers ran in warm spares:"
+    )
+    print(
+        markdown_table(
+            [
+                "phase",
+                "warm: timed",
+                "median s",
+                "max s",
+                "cold: timed",
+                "median s",
+                "max s",
+            ],
+            phase_rows,
+        )
+    )
 
 
 def main():
@@ -486,26 +501,10 @@ def main():
     )
     phase_rows, row = run(args)
     print()
-    print(
-        "Restart phases, seconds from when each host's launcher saw the "
-        "attempt end (a worker failed, or the rendezvous stopped the "
-        "group); each phase when the host's slowest worker reached it; warm: "
-        "the host's workers ran in warm spares:"
-    )
-    print(
-        markdown_table(
-            [
-                "phase",
-                "warm: timed",
-                "median s",
-                "max s",
-                "cold: timed",
-                "median s",
-                "max s",
-            ],
-            phase_rows,
-        )
-    )
+    if phase_rows:
+        _print_phases(phase_rows)
+    else:
+        print("No restarts.")
     print()
     print(
         markdown_table(

@@ -29,6 +29,8 @@ import time
 
 from keras_hetero import _phases
 
+# Every phase a logged line may name, in the order they come.
+PHASES = ("peers stopped", "started", *_phases.ORDER)
 # How often the phase files are read while an attempt starts.
 _READ_EVERY_SECONDS = 0.25
 

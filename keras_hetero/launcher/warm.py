@@ -20,7 +20,8 @@ priority where it can give the priority back when the spare becomes a
 worker (as root, or within `RLIMIT_NICE`): on a busy CPU they import in
 its gaps, and a spare still importing when a restart comes is handed its
 worker all the same (it is then ahead of a new process). Each costs one
-idle process with the libraries imported (about 0.5 GB) per worker.
+idle process with the libraries imported (about 0.7 GB resident on
+this machine) per worker.
 
 A spare serves a worker only if its command is a Python interpreter
 running a script or a module (`spare_command`) and its environment equals

@@ -162,14 +162,16 @@ if index == 1:
 """
 
 
-def _job(tmp_path, monkeypatch, script, max_restarts):
-    # The script by a relative path, as `keras-hetero run job.py` has it.
+def _job(tmp_path, monkeypatch, script, max_restarts, module=False):
+    # The script by a relative path, as `keras-hetero run job.py` has it,
+    # or as a module (`python -m job`, from the working directory).
     path = tmp_path / "job.py"
     path.write_text(WAIT_FOR_SPARES + script)
     monkeypatch.chdir(tmp_path)
     log = io.StringIO()
     result = launcher.launch(
-        [sys.executable, "job.py", str(tmp_path)],
+        [sys.executable, *(["-m", "job"] if module else ["job.py"])]
+        + [str(tmp_path)],
         2,
         max_restarts=max_restarts,
         output=log,
@@ -235,11 +237,12 @@ print("legacy", kh._compat.IS_LEGACY)
 def test_a_script_that_changes_the_flavour_in_a_spare_restarts_cold(
     tmp_path, monkeypatch
 ):
-    # The first attempt imported Keras 3; the second sets tf-keras before
-    # its imports, which a spare imported with Keras 3 cannot honour: it
-    # exits with the reason, and the next attempt's workers start cold.
+    # The first attempt imported Keras 3; the second (the module run in a
+    # spare) sets tf-keras before its imports, which a spare imported with
+    # Keras 3 cannot honour: it exits with the reason, and the next
+    # attempt's workers start cold.
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")
-    _, result, log = _job(tmp_path, monkeypatch, REFUSED, 2)
+    _, result, log = _job(tmp_path, monkeypatch, REFUSED, 2, module=True)
     assert result.exit_code == 0, log
     codes = [a.exit_codes for a in result.attempts]
     # Worker 0 fails first in attempt 0 and is refused in attempt 1 (the
