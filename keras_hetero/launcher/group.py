@@ -400,7 +400,6 @@ class _Group:
         self.warm = warm
         self._lower_priority = warm and warm_workers.can_lower_priority()
         self._spares, self._pending = [], []
-        self._next_spare_check = 0.0
 
     def interrupt(self, number, frame):
         if self.interrupted is not None:
@@ -555,31 +554,25 @@ class _Group:
             # they would compete with the workers' start, when every
             # second counts (measured: benchmarks/RESULTS.md, "Warm
             # workers").
-            up = self.timing.logged
-            if (
-                up
-                and self._pending
-                and time.monotonic() >= self._next_spare_check
-            ):
-                self._next_spare_check = time.monotonic() + 0.25
+            if self.timing.logged and self._pending:
                 self._start_spares()
         return [p.poll() for p in self.processes]
 
     def _start_spares(self):
-        """A spare for each worker of this attempt that imported
-        keras_hetero (with what it imported with; a worker that never
-        does gets none: no import to save)."""
-        for worker in list(self._pending):
-            index, argv, env = worker
+        """Once the attempt is up: a spare for each of its workers that
+        imported keras_hetero (with what it imported with; a worker that
+        never did gets none: no import to save)."""
+        pending, self._pending = self._pending, []
+        if not self.warm:
+            return
+        for index, argv, env in pending:
             imported = _phases.import_env(self.timing.paths[index])
-            if imported is None or not self.warm:
-                continue
-            self._pending.remove(worker)
-            self._spares.append(
-                warm_workers.Spare(
-                    argv, env, imported, lower_priority=self._lower_priority
+            if imported is not None:
+                self._spares.append(
+                    warm_workers.Spare(
+                        argv, env, imported, self._lower_priority
+                    )
                 )
-            )
 
     def close_spares(self):
         """Stops the spares no worker took."""

@@ -299,11 +299,10 @@ def main():
     # with what it imported with (the next spare imports the same).
     _phases.mark(_phases.IMPORTED, imported_with=dict(_imported))
     _, _, kind, target, args = _split(spec["argv"])
+    sys.argv = [target, *args]
     if kind == "module":
-        sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return 0
-    sys.argv = [target, *args]
     path = os.path.abspath(target)
     if not getattr(sys.flags, "safe_path", False):  # -P, Python 3.11+
         sys.path[0] = os.path.dirname(path)
