@@ -118,7 +118,7 @@ def map_call_cost(rounds, calls=2000):
     import tensorflow as tf
 
     from keras_hetero import _compat
-    from keras_hetero.data.shard import _pipeline_options
+    from keras_hetero.data.split import pipeline_options
 
     element = (tf.zeros([128, 64]), tf.zeros([128], tf.int32))
     source = tf.data.Dataset.from_tensors(element).repeat()
@@ -129,7 +129,7 @@ def map_call_cost(rounds, calls=2000):
 
     # The split's own options: no autotuning, no parallel rewrite of
     # sequential maps, no injected prefetch.
-    source = source.with_options(_pipeline_options())
+    source = source.with_options(pipeline_options())
     runs = {
         "no map": lambda: source,
         "Dataset.map (thread pool)": lambda: source.map(slice_both),

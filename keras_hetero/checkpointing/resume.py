@@ -13,7 +13,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero.checkpointing import storage
 from keras_hetero.data import reproducibility
-from keras_hetero.data.shard import mechanism_before_record
+from keras_hetero.data.passes import mechanism_before_record
 from keras_hetero.training import runtime
 from keras_hetero.training import state as state_lib
 from keras_hetero.training.parameter_server import ParameterServerInput

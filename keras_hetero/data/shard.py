@@ -2,24 +2,18 @@
 
 import copy
 import numbers
-import threading
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from keras_hetero import _batches
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero._checks import check_int
 from keras_hetero.data import bounds as bounds_lib
+from keras_hetero.data import passes as passes_lib
 from keras_hetero.data import reproducibility
 from keras_hetero.data import shares as shares_lib
-
-# The graph-level seed of the function that shuffles one pass (see
-# `_DatasetSource.pass_batches`); any constant but 0 (TensorFlow reads a
-# (0, 0) seed pair as "no seed").
-_GRAPH_SEED = 20240517
+from keras_hetero.data import split as split_lib
 
 # tf.data methods a HeteroDataset has no use for, and what to do instead.
 _INSTEAD = {
@@ -90,7 +84,7 @@ class HeteroDataset:
         self._source = (
             examples
             if hasattr(examples, "pass_batches")
-            else _DatasetSource(examples)
+            else passes_lib.DatasetSource(examples)
         )
         self._map_fn = map_fn
         self.global_batch_size = global_batch_size
@@ -99,7 +93,7 @@ class HeteroDataset:
         self._schedule = shares_lib.ShareSchedule(
             shares_lib.validate_shares(shares, self.num_replicas)
         )
-        self._order = _PassOrder(shuffle, seed, first_pass)
+        self._order = passes_lib.PassOrder(shuffle, seed, first_pass)
         self._options = None
         self._prefetch = None
         self._distributed = {}
@@ -364,19 +358,13 @@ class HeteroDataset:
                 "pipeline without Python)."
             )
         self._order.choose_seed(self.strategy)
-        shuffle, seed = self.shuffling, self._order.seed
-
-        def one_pass(number):
-            passed = examples
-            if shuffle is not None:
-                # As in `_DatasetSource.pass_batches`: the same order.
-                passed = _shuffled(
-                    self._source, shuffle, _tf_pass_seed(seed, number)
-                )
-            return passed.batch(self.global_batch_size)
-
-        dataset = tf.data.Dataset.range(self._order.next_pass, 2**62)
-        dataset = dataset.flat_map(one_pass)
+        dataset = passes_lib.endless_batches(
+            self._source,
+            self.global_batch_size,
+            self.shuffling,
+            self._order.seed,
+            self._order.next_pass,
+        )
         if self._map_fn is not None:
             dataset = dataset.map(self._map_fn)
         if self._options is not None:
@@ -443,31 +431,7 @@ class HeteroDataset:
             ValueError: For an auto-shard policy other than OFF or AUTO, or
                 `deterministic=False` (both would break exactly-once).
         """
-        if not isinstance(options, tf.data.Options):
-            raise TypeError(
-                "Invalid value for argument `options`. Received: "
-                f"options={options!r}. Expected a `tf.data.Options`."
-            )
-        policy = options.experimental_distribute.auto_shard_policy
-        allowed = (
-            tf.data.experimental.AutoShardPolicy.OFF,
-            tf.data.experimental.AutoShardPolicy.AUTO,
-        )
-        if policy not in allowed:
-            raise ValueError(
-                "Invalid value for argument `options`: "
-                f"experimental_distribute.auto_shard_policy={policy!r}. A "
-                "HeteroDataset splits each global batch between workers by "
-                "shares, so every worker reads all examples; use "
-                "AutoShardPolicy.OFF (or leave it unset)."
-            )
-        if options.deterministic is False:
-            raise ValueError(
-                "Invalid value for argument `options`: deterministic=False. "
-                "A HeteroDataset needs the same order of examples on every "
-                "worker (each keeps its rows of every global batch); leave "
-                "`deterministic` unset or True."
-            )
+        split_lib.check_options(options)
         merged = (
             options if self._options is None else self._options.merge(options)
         )
@@ -558,9 +522,6 @@ class HeteroDataset:
         return skip, number, seed
 
     def _pipeline(self, input_context, repeat, class_weight=None):
-        local_replicas = self.num_replicas // input_context.num_input_pipelines
-        first_replica = input_context.input_pipeline_id * local_replicas
-
         def batches_of_pass(_):
             # Evaluated when a pass starts: its order (shuffle) and the
             # examples trained before a restart (see `resume_after`), which
@@ -587,311 +548,15 @@ class HeteroDataset:
         if self._schedule.mirror is None:
             # Views (`with_options`, ...) share the schedule and its copy.
             self._schedule.attach(bounds_lib.PipelineSplit(self.num_replicas))
-        mirror = self._schedule.mirror
-
-        def split(index, batch, stacked):
-            # In-graph, from the schedule's copy: no Python per batch.
-            total = _batches.batch_rows(batch)
-            bounds = mirror.bounds(index, total)
-            if stacked:
-                return _gather_padded(
-                    batch,
-                    bounds[first_replica : first_replica + local_replicas + 1],
-                    total,
-                )
-            slices = []
-            for replica in range(first_replica, first_replica + local_replicas):
-                start, end = bounds[replica], bounds[replica + 1]
-                slices.append(
-                    tf.nest.map_structure(
-                        lambda t, start=start, end=end: t[start:end], batch
-                    )
-                )
-            return tuple(slices)
-
-        def one_after_another(*slices):
-            # Consecutive elements go to the worker's replicas in turn.
-            datasets = [tf.data.Dataset.from_tensors(s) for s in slices]
-            dataset = datasets[0]
-            for more in datasets[1:]:
-                dataset = dataset.concatenate(more)
-            return dataset
-
-        stacked = local_replicas > 1 and _all_dense(batches.element_spec)
-        # Our own small functions run inline: a thread-pool hand-off per
-        # call cost more than each of them (`_compat.inline_map`).
-        split_batches = _compat.inline_map(
+        return split_lib.replica_pipeline(
             batches,
-            lambda index, *batch: split(
-                index, batch[0] if len(batch) == 1 else batch, stacked
-            ),
+            self._schedule.mirror,
+            self.num_replicas,
+            input_context,
+            map_fn=self._map_fn,
+            class_weight=class_weight,
+            options=self._options,
         )
-        if local_replicas == 1:
-            dataset = split_batches.map(lambda part: part)
-        elif stacked:
-            # The slices padded to one length, stacked, unbatched and cut
-            # back: a third of the pipeline's CPU time per global batch
-            # that `flat_map` spends making two datasets per element.
-            dataset = _compat.inline_map(split_batches.unbatch(), _unpad)
-        else:
-            dataset = split_batches.flat_map(one_after_another)
-        if self._map_fn is not None:
-            # After the split: each worker preprocesses only its own rows.
-            dataset = dataset.map(
-                self._map_fn,
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
-            )
-        if class_weight is not None:
-            # Per example, from the labels the model gets: the same on each
-            # replica's rows as on the whole global batch.
-            dataset = dataset.map(_compat.class_weight_map_fn(class_weight))
-        if self._options is not None:
-            dataset = dataset.with_options(self._options)
-        return dataset.prefetch(1).with_options(_pipeline_options())
-
-
-def _pipeline_options():
-    """The tf.data options of the split's pipeline (after the split)."""
-    # Bound what runs ahead of training after the split, so a share
-    # change `ShardRebalancer.lag` batches ahead is never too late.
-    options = tf.data.Options()
-    options.experimental_optimization.inject_prefetch = False
-    # Nor may tf.data run the stateless maps after the split in parallel
-    # (which would pull global batches ahead).
-    options.experimental_optimization.map_parallelization = False
-    # No tf.data autotuning thread. Destroying an iterator (after a fit,
-    # or when Python collects one a stopped fit left behind) joins that
-    # thread, which at random sleeps out its optimization period first,
-    # a period that doubles up to 60 s while the iterator lives (TF 2.21;
-    # stock pipelines too; no upstream issue found): tests stalled for
-    # minutes (benchmarks/RESULTS.md, "Input iterator teardown"). `AUTOTUNE`
-    # parallelism in `map_fn` or the examples' pipeline then takes TF's
-    # default, the core count.
-    options.autotune.enabled = False
-    return options
-
-
-def _all_dense(spec):
-    return all(
-        isinstance(leaf, tf.TensorSpec) and (leaf.shape.rank or 0) >= 1
-        for leaf in tf.nest.flatten(spec)
-    )
-
-
-def _gather_padded(batch, bounds, total):
-    """`(the slices [bounds[i], bounds[i + 1]) of batch, stacked, each padded
-    to the longest; their row counts)`. `total` is the batch's rows.
-
-    One gather per tensor: slicing, padding and stacking each replica's
-    rows cost about 0.1-0.35 ms more CPU per global batch with 4 replicas
-    (measured 2026-12-03 with benchmarks/interleaved.py; the table is in
-    docs/benchmarks.md's history). Padding rows repeat the batch's last
-    row; `_unpad` cuts them off.
-    """
-    starts = bounds[:-1]
-    rows = bounds[1:] - starts
-    longest = tf.reduce_max(rows)
-    index = starts[:, None] + tf.range(longest)[None, :]
-    last = tf.maximum(tf.cast(total, tf.int64) - 1, 0)
-    index = tf.minimum(index, last)
-    return tf.nest.map_structure(lambda t: tf.gather(t, index), batch), rows
-
-
-def _unpad(part, rows):
-    return tf.nest.map_structure(lambda t: t[:rows], part)
-
-
-class _PassOrder:
-    """Numbers the passes over the examples and holds the shuffle seed.
-
-    Pass `p`'s order is a function of `(seed, p)` only: every worker runs
-    the same passes in the same order, so all of them shuffle alike, and a
-    restart that resumes pass `p` with the same seed repeats its order.
-    Shared by the views `with_options` / `prefetch` / `cache` return.
-    """
-
-    def __init__(self, shuffle, seed, first_pass=0):
-        self._lock = threading.Lock()
-        self.shuffle = shuffle
-        self.seed = seed
-        self._next = int(first_pass)
-
-    @property
-    def next_pass(self):
-        with self._lock:
-            return self._next
-
-    def choose_seed(self, strategy):
-        """Picks a seed if the passes are shuffled and none was given."""
-        if self.shuffle is None or self.seed is not None:
-            return
-        drawn = int(np.random.randint(0, 2**31 - 1))
-        seed = _distribute.broadcast_from_first_replica(strategy, drawn)
-        with self._lock:
-            if self.seed is None:
-                self.seed = seed
-
-    def restart(self, pass_number=None, seed=None):
-        with self._lock:
-            if pass_number is not None:
-                self._next = int(pass_number)
-            if seed is not None:
-                self.seed = int(seed)
-
-    def start(self):
-        """`(number, seed)` of the pass that starts now."""
-        with self._lock:
-            number, self._next = self._next, self._next + 1
-            return number, self.seed
-
-
-# `pass_seed(seed, p) = (seed * A + p * B + 1) mod M`: simple enough to compute
-# in TensorFlow ops too (`_tf_pass_seed`), for pipelines that run without
-# Python (parameter-server workers), so every strategy sees the same orders.
-_SEED_MODULUS, _SEED_FACTOR, _PASS_FACTOR = 2147483647, 48271, 69621
-
-
-def pass_seed(seed, pass_number):
-    """A 31-bit integer that is a function of `(seed, pass_number)`."""
-    mixed = (int(seed) % _SEED_MODULUS) * _SEED_FACTOR
-    return (mixed + int(pass_number) * _PASS_FACTOR + 1) % _SEED_MODULUS
-
-
-def _tf_pass_seed(seed, pass_number):
-    """`pass_seed` of a tensor `pass_number`, as an int64 tensor."""
-    mixed = tf.constant((int(seed) % _SEED_MODULUS) * _SEED_FACTOR, tf.int64)
-    mixed += tf.cast(pass_number, tf.int64) * _PASS_FACTOR + 1
-    return mixed % _SEED_MODULUS
-
-
-# `HeteroDataset.shuffle_mechanism` values (recorded in checkpoints).
-ARROW_PERMUTATION = "arrow permutation"
-GLOBAL_SHUFFLE = "global shuffle"
-
-
-def mechanism_before_record(mechanism):
-    """The shuffle mechanism of a checkpoint written before checkpoints
-    recorded it, for a dataset that now shuffles by `mechanism`: until
-    then `shuffle=True` over tf.data and `from_arrow` examples took a
-    buffer of the pass; arrays and buffer sizes shuffle as they did."""
-    if mechanism in (ARROW_PERMUTATION, GLOBAL_SHUFFLE):
-        return "buffer of the pass"
-    return mechanism
-
-
-def _shuffled(source, shuffle, seed):
-    """The examples of `source` (a `_DatasetSource`) in the order of one
-    shuffled pass.
-
-    Chosen by measurement (benchmarks/input.py --mode shuffle,
-    docs/checkpoints.md): `shuffle=True` over `kh.data.from_arrow` examples
-    converts the pass whole and permutes it (`shuffled_pass`: the skipped
-    examples of a resumed pass are only indices). Over examples that
-    support random access (`_DatasetSource.random_access`) it is tf.data's
-    global shuffle, a pure function of `seed` with no buffer: for 10^6
-    examples a pass starts 17-21x sooner than through a buffer of the
-    pass, resumes after 500,000 of them 1.6-4.6x sooner (`.skip` still
-    fetches each skipped example, but fills no buffer) and runs 1.9-2.4x
-    faster. Other examples, and a buffer size, go through
-    `Dataset.shuffle`, whose `.skip(k)` fills the buffer (with `True`: the
-    whole pass) and reads k examples.
-
-    tf.data's shuffles seed themselves from the graph-level seed too, which
-    is the process's global seed (`tf.random.set_seed`) and may differ
-    between workers. Fixing the calling function's own graph-level seed
-    makes the order a function of `seed` alone.
-    """
-    tf.random.set_seed(_GRAPH_SEED)
-    mechanism = source.shuffle_mechanism(shuffle)
-    if mechanism == ARROW_PERMUTATION:
-        return source.examples.shuffled_pass(seed)  # `kh.data.from_arrow`
-    if mechanism == GLOBAL_SHUFFLE:
-        return _compat.global_shuffle(source.examples, seed)
-    buffer = source.num_examples if shuffle is True else shuffle
-    return source.examples.shuffle(
-        buffer, seed=seed, reshuffle_each_iteration=False
-    )
-
-
-class _DatasetSource:
-    """Examples from an unbatched `tf.data.Dataset`."""
-
-    def __init__(self, examples):
-        self.examples = examples
-        count = int(examples.cardinality())
-        self.num_examples = None if count < 0 else count
-        self._random_access = None
-        self._stages = None
-        self._map_fn_stages = None
-
-    @property
-    def random_access(self):
-        """Whether the examples support random access (checked once, by
-        reading one example through tf.data's global shuffle)."""
-        if self._random_access is None:
-            self._random_access = _compat.supports_random_access(self.examples)
-        return self._random_access
-
-    def cache(self, filename):
-        return _DatasetSource(self.examples.cache(filename))
-
-    def shuffle_mechanism(self, shuffle):
-        """How `_shuffled` orders a pass (`HeteroDataset.shuffle_mechanism`)."""
-        if shuffle is True and hasattr(self.examples, "shuffled_pass"):
-            return ARROW_PERMUTATION
-        if shuffle is True and self.random_access:
-            return GLOBAL_SHUFFLE
-        return (
-            "buffer of the pass" if shuffle is True else f"buffer of {shuffle}"
-        )
-
-    def unreproducible_stages(self):
-        if self._stages is None:  # the pipeline never changes
-            try:
-                self._stages = reproducibility.unreproducible_stages(
-                    self.examples
-                )
-            except ValueError as error:
-                # Not a reason to refuse input that may well be fine.
-                warnings.warn(
-                    f"{error} Exact resume and multi-worker training need "
-                    "the examples in the same order in every process; make "
-                    'sure they are (docs/checkpoints.md, "Input pipelines '
-                    'and exact resume").',
-                    UserWarning,
-                    stacklevel=2,
-                )
-                self._stages = []
-        return list(self._stages)
-
-    def map_fn_stages(self, map_fn):
-        """`reproducibility.map_fn_stages` of `map_fn` (or `[]`), once."""
-        if map_fn is None:
-            return []
-        if self._map_fn_stages is None or self._map_fn_stages[0] is not map_fn:
-            try:
-                found = reproducibility.map_fn_stages(self.examples, map_fn)
-            except ValueError as error:
-                warnings.warn(str(error), UserWarning, stacklevel=2)
-                found = []
-            self._map_fn_stages = (map_fn, found)
-        return list(self._map_fn_stages[1])
-
-    def pass_batches(self, start_pass, global_batch_size, shuffle):
-        """One pass's global batches (traced once, run at each pass)."""
-
-        def start():
-            skip, number, seed = start_pass()
-            order_seed = 0 if shuffle is None else pass_seed(seed, number)
-            return np.array([skip, order_seed], np.int64)
-
-        info = tf.numpy_function(start, [], tf.int64)
-        info.set_shape([2])
-        examples = self.examples
-        if shuffle is not None:
-            examples = _shuffled(self, shuffle, info[1])
-        return examples.skip(info[0]).batch(global_batch_size)
 
 
 def shard(

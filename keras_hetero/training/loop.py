@@ -26,6 +26,35 @@ def make_function(model, step_function):
         A callable taking an iterator (or a list of batches) and returning
         the last step's outputs; `StopIteration` when no data was left.
     """
+    one_step_on_data, looped_step = _step_on_data(model, step_function)
+    steps_per_execution = int(model.steps_per_execution)
+    multi_step_on_iterator = _multi_step(
+        one_step_on_data, looped_step, steps_per_execution
+    )
+    if not model.run_eagerly:
+        multi_step_on_iterator = tf.function(
+            multi_step_on_iterator, reduce_retracing=True
+        )
+
+    def function(iterator):
+        if isinstance(
+            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+        ):
+            outputs = multi_step_on_iterator(iterator)
+            if not outputs.has_value():
+                raise StopIteration
+            return outputs.get_value()
+        outputs = None
+        for _, data in zip(range(steps_per_execution), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    return function
+
+
+def _step_on_data(model, step_function):
+    """One step on one batch, as Keras calls it (`one_step_on_data`), and
+    the same step as `_multi_step`'s loop calls it under a strategy."""
     # Keras 3.10-3.15 reduce step outputs with `reduce_per_replica(...,
     # "auto")`, which under MultiWorkerMirroredStrategy calls
     # `strategy.reduce("MEAN", v, axis=0)` on scalar logs and fails with
@@ -81,21 +110,26 @@ def make_function(model, step_function):
             model, one_step_on_data
         )
         looped_step = _compat.autoconvert_optionals(model, looped_step)
-    steps_per_execution = int(model.steps_per_execution)
+    return one_step_on_data, looped_step
+
+
+def _multi_step(one_step_on_data, looped_step, steps_per_execution):
+    """Keras' `multi_step_on_iterator`: up to `steps_per_execution` steps
+    of one iterator, returning a `tf.experimental.Optional` of the last
+    step's outputs (empty when no data was left)."""
 
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator):
-        # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction
-        # above and `looped_step`: run up to `steps_per_execution` steps
-        # while data lasts, never fetching a batch that the next call
-        # should get. Under a strategy the step is traced inline here:
-        # a nested tf.function around `strategy.run` (Keras' structure)
-        # or around the replica function (which MirroredStrategy wraps
-        # in one) called in this tf.cond inside tf.while_loop fails at
-        # run time with "You must feed a value for placeholder tensor
-        # 'while/cond/Placeholder'" (measured on TF 2.21, MirroredStrategy
-        # with 2 replicas; stock Keras 3.15 fails this way). The distributed
-        # Optional passed through the loop is fine.
+        # Keras 3.15's loop (Apache-2.0), unchanged but for the reduction in
+        # `_step_on_data` and `looped_step`: run up to `steps_per_execution`
+        # steps while data lasts, never fetching a batch that the next call
+        # should get. Under a strategy the step is traced inline here: a nested
+        # tf.function around `strategy.run` (Keras' structure) or around the
+        # replica function (which MirroredStrategy wraps in one) called in this
+        # tf.cond inside tf.while_loop fails at run time with "You must feed a
+        # value for placeholder tensor 'while/cond/Placeholder'" (measured on TF
+        # 2.21, MirroredStrategy with 2 replicas; stock Keras 3.15 fails this
+        # way). The distributed Optional passed through the loop is fine.
         if steps_per_execution == 1:
             return tf.experimental.Optional.from_value(
                 one_step_on_data(iterator.get_next())
@@ -151,22 +185,4 @@ def make_function(model, step_function):
         _compat.set_element_spec(outputs, empty_outputs.element_spec)
         return outputs
 
-    if not model.run_eagerly:
-        multi_step_on_iterator = tf.function(
-            multi_step_on_iterator, reduce_retracing=True
-        )
-
-    def function(iterator):
-        if isinstance(
-            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-        ):
-            outputs = multi_step_on_iterator(iterator)
-            if not outputs.has_value():
-                raise StopIteration
-            return outputs.get_value()
-        outputs = None
-        for _, data in zip(range(steps_per_execution), iterator):
-            outputs = one_step_on_data(data)
-        return outputs
-
-    return function
+    return multi_step_on_iterator
