@@ -271,6 +271,116 @@ class _Host:
         self.last_seen = now
 
 
+class _Listener:
+    """The server's socket: accepts connections, authenticates each
+    (`server_handshake`) and turns its lines into events on `events`:
+    `("refused", channel, why)`, `("join", channel, message)`,
+    `("message", channel, message)`, `("closed", channel)`.
+
+    Raises:
+        ValueError: If the port is in use or the address is not local.
+    """
+
+    def __init__(self, bind, port, token):
+        self.token = token
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((bind, port))
+        except OSError as error:
+            self._listener.close()
+            raise ValueError(
+                "Invalid value for argument `rdzv_endpoint`: the rendezvous "
+                f"cannot listen on {bind}:{port} ({error.strerror}). "
+                + (
+                    "Another process (another job's rendezvous?) has that "
+                    "port: pick another port for --rdzv-endpoint."
+                    if error.errno in (98, 48)  # EADDRINUSE (Linux, macOS)
+                    else "Expected --rdzv-bind to be an address of this "
+                    "host (or 0.0.0.0)."
+                )
+            ) from None
+        self._listener.listen(64)
+        self._listener.settimeout(0.5)
+        self.address = f"{bind}:{port}"
+        self.events = queue.Queue()
+        self._threads = []
+        self._closed = False
+
+    def start(self):
+        thread = threading.Thread(target=self._accept, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self, wait):
+        self._closed = True
+        for thread in self._threads:
+            thread.join(wait)
+        self._listener.close()
+
+    def _accept(self):
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(
+                target=self._connection, args=(sock,), daemon=True
+            ).start()
+
+    def _connection(self, sock):
+        channel = Channel(sock)
+        try:
+            sock.settimeout(HANDSHAKE_SECONDS)
+            refused = server_handshake(channel, self.token)
+            if refused is not None:
+                self.events.put(("refused", channel, refused))
+                return
+            join = channel.receive()
+            if join is None or join["type"] != "join":
+                return
+            sock.settimeout(None)
+            self.events.put(("join", channel, join))
+            while True:
+                message = channel.receive()
+                if message is None:
+                    break
+                self.events.put(("message", channel, message))
+        except (OSError, RendezvousError):
+            pass
+        finally:
+            self.events.put(("closed", channel))
+
+
+def _round_attempt(workers, finished, failure, lost_ranks):
+    """The `Attempt` a round ended with: each worker's exit code (None for
+    one whose host was lost or did not report), which failed, which were
+    lost with their host."""
+    codes = []
+    for worker in workers:
+        local = finished.get(worker.rank)
+        lost = local is None or worker.local_index >= len(local)
+        codes.append(None if lost else local[worker.local_index])
+    failed = ()
+    if failure is not None:
+        index, _, rank = failure
+        failed = (
+            (index,)
+            if index is not None
+            else tuple(w.index for w in workers if w.rank == rank)
+        )
+    return Attempt(
+        len(workers),
+        tuple(codes),
+        failed,
+        tuple(w.rank for w in workers),
+        tuple(w.index for w in workers if w.rank in lost_ranks),
+    )
+
+
 class RendezvousServer:
     """The rendezvous of a multi-host job (in the launcher of rank 0).
 
@@ -320,28 +430,9 @@ class RendezvousServer:
         self.max_restarts = max_restarts
         self.grace_seconds = grace_seconds
         self.output = output
-        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((bind, port))
-        except OSError as error:
-            self._listener.close()
-            raise ValueError(
-                "Invalid value for argument `rdzv_endpoint`: the rendezvous "
-                f"cannot listen on {bind}:{port} ({error.strerror}). "
-                + (
-                    "Another process (another job's rendezvous?) has that "
-                    "port: pick another port for --rdzv-endpoint."
-                    if error.errno in (98, 48)  # EADDRINUSE (Linux, macOS)
-                    else "Expected --rdzv-bind to be an address of this "
-                    "host (or 0.0.0.0)."
-                )
-            ) from None
-        self._listener.listen(64)
-        self._listener.settimeout(0.5)
-        self.address = f"{bind}:{port}"
-        self._events = queue.Queue()
+        self._listener = _Listener(bind, port, token)
+        self.address = self._listener.address
+        self._events = self._listener.events
         self._hosts = {}  # rank -> _Host
         self._refused = {}  # rank -> why its job was refused
         self._wrong_token = []  # peers refused for a wrong token
@@ -372,10 +463,10 @@ class RendezvousServer:
             f"[rendezvous] listening on {self.address} for "
             f"{self._count()} host(s)",
         )
-        for target in (self._accept, self._loop):
-            thread = threading.Thread(target=target, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._listener.start()
+        thread = threading.Thread(target=self._loop, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def shutdown(self, exit_code, message):
         """Ends the job on every host with `exit_code` (from another thread,
@@ -393,46 +484,9 @@ class RendezvousServer:
         self._closed = True
         for thread in self._threads:
             thread.join(wait)
-        self._listener.close()
+        self._listener.close(wait)
         for host in self._hosts.values():
             host.channel.close()
-
-    # --- connections -------------------------------------------------------
-
-    def _accept(self):
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            threading.Thread(
-                target=self._connection, args=(sock,), daemon=True
-            ).start()
-
-    def _connection(self, sock):
-        channel = Channel(sock)
-        try:
-            sock.settimeout(HANDSHAKE_SECONDS)
-            refused = server_handshake(channel, self.token)
-            if refused is not None:
-                self._events.put(("refused", channel, refused))
-                return
-            join = channel.receive()
-            if join is None or join["type"] != "join":
-                return
-            sock.settimeout(None)
-            self._events.put(("join", channel, join))
-            while True:
-                message = channel.receive()
-                if message is None:
-                    break
-                self._events.put(("message", channel, message))
-        except (OSError, RendezvousError):
-            pass
-        finally:
-            self._events.put(("closed", channel))
 
     # --- the state machine -------------------------------------------------
 
@@ -492,7 +546,6 @@ class RendezvousServer:
 
     def _join(self, channel, message, now):
         rank = message.get("rank")
-        error, retry = None, False
         if self._state == "done":
             try:
                 channel.send({"type": "welcome"})
@@ -501,29 +554,7 @@ class RendezvousServer:
                 pass
             channel.close(finish=True)
             return
-        if (
-            isinstance(rank, bool)
-            or not isinstance(rank, int)
-            or not 0 <= rank < self.max_hosts
-        ):
-            error = (
-                "Invalid value for argument `node_rank`. Received: "
-                f"node_rank={rank!r}. Expected a rank in "
-                f"[0, {self.max_hosts - 1}] (--nnodes {self._count()})."
-            )
-        else:
-            error = policy.job_mismatch(
-                self.job, message.get("job") or {}, rank=rank
-            )
-            if error is not None:
-                self._refused[rank] = error
-            elif rank in self._hosts:
-                error, retry = (
-                    f"Host rank {rank} is already in the group (from "
-                    f"{self._hosts[rank].address}): each host needs its own "
-                    "--node-rank.",
-                    True,
-                )
+        error, retry = self._join_error(rank, message)
         if error is not None:
             _say(
                 self.output,
@@ -548,6 +579,33 @@ class RendezvousServer:
             f"{host.address} with {len(host.slots)} worker(s)",
         )
         self._send(rank, {"type": "welcome"})
+
+    def _join_error(self, rank, message):
+        """`(why a join is refused, whether the host may retry)`; `(None,
+        False)` for a welcome join."""
+        if (
+            isinstance(rank, bool)
+            or not isinstance(rank, int)
+            or not 0 <= rank < self.max_hosts
+        ):
+            return (
+                "Invalid value for argument `node_rank`. Received: "
+                f"node_rank={rank!r}. Expected a rank in "
+                f"[0, {self.max_hosts - 1}] (--nnodes {self._count()})."
+            ), False
+        error = policy.job_mismatch(
+            self.job, message.get("job") or {}, rank=rank
+        )
+        if error is not None:
+            self._refused[rank] = error
+            return error, False
+        if rank in self._hosts:
+            return (
+                f"Host rank {rank} is already in the group (from "
+                f"{self._hosts[rank].address}): each host needs its own "
+                "--node-rank."
+            ), True
+        return None, False
 
     def _message(self, rank, message):
         kind = message["type"]
@@ -744,26 +802,8 @@ class RendezvousServer:
             self._lost.append(rank)
 
     def _end_round(self):
-        codes = []
-        for worker in self._workers:
-            local = self._finished.get(worker.rank)
-            lost = local is None or worker.local_index >= len(local)
-            codes.append(None if lost else local[worker.local_index])
-        failed = ()
-        if self._failure is not None:
-            index, _, rank = self._failure
-            failed = (
-                (index,)
-                if index is not None
-                else tuple(w.index for w in self._workers if w.rank == rank)
-            )
-        lost = tuple(w.index for w in self._workers if w.rank in self._lost)
-        attempt = Attempt(
-            len(self._workers),
-            tuple(codes),
-            failed,
-            tuple(w.rank for w in self._workers),
-            lost,
+        attempt = _round_attempt(
+            self._workers, self._finished, self._failure, self._lost
         )
         self.attempts.append(attempt)
         for rank in list(self._hosts):
