@@ -14,7 +14,7 @@ boundary columns: over every boundary of every round), and the A/A row the
 noise. Rows: stock `keras.Model` (not under MultiWorkerMirroredStrategy
 with Keras 3, where it cannot fit; there the A/A row is "HeteroModel
 before"'s), "HeteroModel before" (Keras' own epoch iterators, as before
-`_compat.epochs`), HeteroModel on the same `tf.data` input, and
+`keras_hetero.training.epochs`), HeteroModel on the same `tf.data` input, and
 HeteroModel on `kh.data.shard` of its rows.
 
 Run: `python benchmarks/epoch_boundary.py` (both flavours, each in a
@@ -86,7 +86,7 @@ def _rates(stamps, batch):
 
 def _runs(stock_fits):
     """Run names; `before`: HeteroModel with Keras' own epoch iterators
-    (`_compat.epochs.keras_own_epoch_iterators`)."""
+    (`keras_hetero.training.epochs.keras_own_epoch_iterators`)."""
     if stock_fits:
         names = ["stock", "stock (A/A)", "HeteroModel before"]
     else:
@@ -100,7 +100,7 @@ def table(strategy, args):
 
     import keras_hetero as kh
     from keras_hetero import keras
-    from keras_hetero._compat import epochs
+    from keras_hetero.training import epochs
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.rows, 64)).astype("float32")

@@ -14,6 +14,7 @@ from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import precision as precision_lib
 from keras_hetero._compat import keras
+from keras_hetero.training import epochs
 from keras_hetero.training import fitting
 from keras_hetero.training import loop
 from keras_hetero.training import loss_scale as loss_scale_lib
@@ -114,6 +115,10 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     >>> bucketed.hetero_settings.bucket_bytes
     1048576
     """
+
+    # How its `fit` and `evaluate` cross epoch boundaries (read by the
+    # compat layer's epoch iterators; other models keep Keras' own).
+    _kh_epochs = epochs
 
     def __new__(cls, *args, **kwargs):
         if cls is HeteroModel and _compat.functional_init_arguments(

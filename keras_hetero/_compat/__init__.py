@@ -77,9 +77,6 @@ from keras_hetero._compat.distribute import (
 from keras_hetero._compat.distribute import (
     set_coordination_value as set_coordination_value,
 )
-from keras_hetero._compat.epochs import (
-    repeats_sharded_input as repeats_sharded_input,
-)
 from keras_hetero._compat.flavour import (
     CONVERTS_OPTIONAL_INPUTS as CONVERTS_OPTIONAL_INPUTS,
 )

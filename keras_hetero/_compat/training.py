@@ -267,8 +267,10 @@ class Keras3TrainerOverrides:
         # right after making it: HeteroModel's reads a repeatable input from
         # one iterator, else makes one per epoch (Keras' two where each draws
         # a reshuffling input's seeds), and releases the ones it replaces
-        # off the training thread (`_compat.epochs`).
-        adopt_epoch_iterator(iterator, self.distribute_strategy)
+        # off the training thread (`training/epochs.py`).
+        adopt_epoch_iterator(
+            iterator, self.distribute_strategy, self._kh_epochs
+        )
         if self._distribute_strategy is None:
             return
         spec = _first_local_spec(iterator)
@@ -291,7 +293,7 @@ class Keras3TrainerOverrides:
         # cross-replica reduction per variable at every epoch's start (see
         # `_compat.epochs.assigns_without_reading`). (tf-keras'
         # `backend.batch_set_value` reads back too; left as it is.)
-        with assigns_without_reading():
+        with assigns_without_reading(self._kh_epochs.enabled()):
             super().reset_metrics()
 
     def _make_function(self, step_function):
@@ -353,10 +355,7 @@ def _unbatched_spec(value):
 class LegacyTrainerOverrides:
     """Mixed into `HeteroModel` on tf-keras: its `fit` and `evaluate` get
     data handlers that release the iterators they replace off the training
-    thread (`_compat.epochs`)."""
-
-    # Read by `_compat.epochs` to tell HeteroModels from other models.
-    _kh_epoch_boundaries = True
+    thread (`training/epochs.py`)."""
 
     def fit(self, *args, **kwargs):
         install_data_handlers()

@@ -18,6 +18,7 @@ from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.training import agreement
 from keras_hetero.training import batch_statistics
+from keras_hetero.training import epochs
 from keras_hetero.training import keras_callbacks
 from keras_hetero.training import low_communication
 from keras_hetero.training import parameter_server
@@ -67,7 +68,7 @@ def _fit(model, keras_fit, x, y, args, kwargs):
                     "batches per epoch) under tf-keras."
                 )
         # One iterator for the whole `fit` where the epochs stay the same.
-        repeat = _compat.repeats_sharded_input(model, x, kwargs)
+        repeat = epochs.repeats_sharded_input(model, x, kwargs)
     # Before anything else communicates: a setting that differs between
     # workers raises here on every worker instead of hanging a collective.
     agreement.check_fit(model, x, arguments)

@@ -527,9 +527,10 @@ def stop_together_mwms(directory, signalled, at_step, steps_per_execution):
 def epoch_boundaries_mwms(kind, steps_per_execution, rows):
     """Fits of 3 epochs on `kind` input ("tf.data": shuffled each pass;
     "shard": `kh.data.shard`, shuffled), HeteroModel as it is and with
-    Keras' own epoch iterators (`_compat.epochs` switched off); for each,
-    the running id mean and square after every call, the weights, the
-    distributed iterators made and the threads they were destroyed on."""
+    Keras' own epoch iterators (`keras_hetero.training.epochs` switched
+    off); for each, the running id mean and square after every call, the
+    weights, the distributed iterators made and the threads they were
+    destroyed on."""
     import threading
     import weakref
 
@@ -537,8 +538,8 @@ def epoch_boundaries_mwms(kind, steps_per_execution, rows):
     from tensorflow.python.distribute import input_lib
 
     import keras_hetero as kh
-    from keras_hetero import _compat
     from keras_hetero._compat import keras
+    from keras_hetero.training import epochs
     from tests.support import helpers
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -611,6 +612,6 @@ def epoch_boundaries_mwms(kind, steps_per_execution, rows):
             ),
         }
 
-    with _compat.epochs.keras_own_epoch_iterators():
+    with epochs.keras_own_epoch_iterators():
         before = fit()
     return {"before": before, "after": fit()}

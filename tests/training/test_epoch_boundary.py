@@ -1,4 +1,4 @@
-"""Epoch boundaries (`keras_hetero._compat.epochs`): every epoch of a
+"""Epoch boundaries (`keras_hetero.training.epochs`): every epoch of a
 HeteroModel reads the elements stock Keras' reads, in the same order; its
 input iterators are made once per `fit` where that reads the same epochs
 (else once per epoch); and none is destroyed on the training thread.
@@ -35,6 +35,7 @@ from tensorflow.python.distribute import input_lib
 import keras_hetero as kh
 from keras_hetero import _compat
 from keras_hetero._compat import keras
+from keras_hetero.training import epochs as epochs_lib
 from tests.conftest import DEVICES
 from tests.support import helpers
 
@@ -331,7 +332,7 @@ def test_two_replicas(name, iterators):
         # Stock Keras 3 reads one batch from an extra iterator to build the
         # model under a strategy (`_maybe_symbolic_build`), which draws the
         # shuffle's seeds once more; HeteroModel never did.
-        with _compat.epochs.keras_own_epoch_iterators():
+        with epochs_lib.keras_own_epoch_iterators():
             expected = _fit(kh.HeteroModel, INPUTS[name], _two_replicas())
     else:
         expected = _fit(keras.Model, INPUTS[name], _two_replicas())
@@ -374,7 +375,7 @@ def test_sharded_dataset_reads_its_passes_from_one_iterator(
         # The global batches in order: stock Keras on the batched examples.
         expected = _fit(keras.Model, INPUTS["tf.data"], strategy)
     else:
-        with _compat.epochs.keras_own_epoch_iterators():
+        with epochs_lib.keras_own_epoch_iterators():
             expected = _fit(kh.HeteroModel, sharded, strategy)
     _assert_same_epochs(actual, expected, rtol=1e-5)
 
@@ -463,7 +464,7 @@ def test_after_a_stopped_fit_the_next_starts_a_new_pass():
     ],
 )
 def test_repeats_alike_finds_kernel_random_state(dataset, alike):
-    assert _compat.epochs.repeats_alike(dataset) is alike
+    assert epochs_lib.repeats_alike(dataset) is alike
 
 
 _SCALE = tf.Variable(1.0)
@@ -480,8 +481,8 @@ _SCALE = tf.Variable(1.0)
     ids=["reads a variable", "py_function"],
 )
 def test_repeats_alike_refuses_state_outside_the_pipeline(dataset):
-    assert _compat.epochs.repeats_alike(dataset) is False
-    assert _compat.epochs.reads_outside_state(dataset) is True
+    assert epochs_lib.repeats_alike(dataset) is False
+    assert epochs_lib.reads_outside_state(dataset) is True
 
 
 def _curriculum_fit(model_class, strategy, kind="tf.data"):
@@ -545,7 +546,7 @@ def test_a_variable_set_between_epochs_reaches_a_sharded_dataset(
     actual = _curriculum_fit(kh.HeteroModel, strategy(), kind)
     assert iterators.made >= EPOCHS  # an iterator per epoch
     iterators.watching = False
-    with _compat.epochs.keras_own_epoch_iterators():
+    with epochs_lib.keras_own_epoch_iterators():
         expected = _curriculum_fit(kh.HeteroModel, strategy(), kind)
     _assert_same_epochs(actual, expected, rtol=1e-5)
     means = {epoch: mean for epoch, mean, _ in actual[0]}
@@ -719,7 +720,7 @@ import pathlib
 import sys
 import time
 
-from keras_hetero import _compat
+from keras_hetero.training import epochs
 
 marker = pathlib.Path(sys.argv[1])
 
@@ -730,7 +731,7 @@ class SlowToDestroy:  # as a tf.data iterator joining its autotuning thread
         marker.write_text("destroyed")
 
 
-_compat.epochs._release([SlowToDestroy()])
+epochs.release([SlowToDestroy()])
 # The script ends at once: the release is still under way.
 """
 
