@@ -21,6 +21,13 @@ Run: `python benchmarks/epoch_boundary.py` (both flavours, each in a
 process of its own; `--flavour` picks one; `--where one mirrored workers`:
 one process without a strategy, MirroredStrategy on 2 logical CPUs, a pair
 of MultiWorkerMirroredStrategy worker processes on 127.0.0.1).
+
+`--input` picks the input: `tf.data` (the default above, autotuned as
+tf.data is by default), or one of the inputs that read a new iterator
+each epoch (docs/drop-in.md, "Epoch boundaries"): `arrays` (`fit(x, y,
+batch_size=, shuffle=True)`), `generator` (an endless Python generator
+with `steps_per_epoch`), `pydataset` (a `keras.utils.PyDataset`; Keras 3,
+tf-keras has its `Sequence`). Those have no `kh.data.shard` row.
 """
 
 import os
@@ -41,6 +48,7 @@ from _harness import smoke_parser  # noqa: E402
 
 FLAVOURS = {"keras3": "0", "tf-keras": "1"}
 PLACES = ("one", "mirrored", "workers")
+INPUTS = ("tf.data", "arrays", "generator", "pydataset")
 
 
 def _stamps_callback():
@@ -84,14 +92,51 @@ def _rates(stamps, batch):
     return within, whole, np.array(boundaries)
 
 
-def _runs(stock_fits):
+def _runs(stock_fits, kind):
     """Run names; `before`: HeteroModel with Keras' own epoch iterators
     (`keras_hetero.training.epochs.keras_own_epoch_iterators`)."""
     if stock_fits:
         names = ["stock", "stock (A/A)", "HeteroModel before"]
     else:
         names = ["HeteroModel before", "HeteroModel before (A/A)"]
-    return [*names, "HeteroModel", "HeteroModel, kh.data.shard"]
+    names.append("HeteroModel")
+    if kind == "tf.data":
+        names.append("HeteroModel, kh.data.shard")
+    return names
+
+
+def _fit_input(kind, x, y, batch):
+    """`fit`'s keyword arguments for input `kind` over `(x, y)`."""
+    import tensorflow as tf
+
+    from keras_hetero import keras
+
+    steps = len(x) // batch
+    if kind == "tf.data":
+        examples = tf.data.Dataset.from_tensor_slices((x, y))
+        return {"x": examples.batch(batch)}
+    if kind == "arrays":
+        return {"x": x, "y": y, "batch_size": batch, "shuffle": True}
+    if kind == "generator":
+
+        def batches():
+            while True:
+                for step in range(steps):
+                    part = slice(step * batch, (step + 1) * batch)
+                    yield x[part], y[part]
+
+        return {"x": batches(), "steps_per_epoch": steps, "shuffle": False}
+    base = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
+
+    class Batches(base):
+        def __len__(self):
+            return steps
+
+        def __getitem__(self, step):
+            part = slice(step * batch, (step + 1) * batch)
+            return x[part], y[part]
+
+    return {"x": Batches()}
 
 
 def table(strategy, args):
@@ -110,7 +155,7 @@ def table(strategy, args):
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     )
     stock_fits = kh.FLAVOUR == "tf-keras" or not multi_worker
-    names = _runs(stock_fits)
+    names = _runs(stock_fits, args.input)
     models, inputs = {}, {}
     for name in names:
         keras.utils.set_random_seed(0)
@@ -128,11 +173,11 @@ def table(strategy, args):
                 ),
             )
         if name.endswith("kh.data.shard"):
-            inputs[name] = kh.data.shard(
-                examples, args.batch, strategy=strategy
-            )
+            inputs[name] = {
+                "x": kh.data.shard(examples, args.batch, strategy=strategy)
+            }
         else:
-            inputs[name] = examples.batch(args.batch)
+            inputs[name] = _fit_input(args.input, x, y, args.batch)
     results = {name: [] for name in names}
     for number in range(args.rounds):
         for name in round_order(names, number):
@@ -142,7 +187,7 @@ def table(strategy, args):
                 epochs.keras_own_epoch_iterators() if before else nullcontext()
             ):
                 models[name].fit(
-                    inputs[name],
+                    **inputs[name],
                     epochs=args.epochs,
                     callbacks=[stamps],
                     verbose=0,
@@ -203,7 +248,7 @@ def run_flavour(args):
             f"MLP 64-{args.width}-{args.width}-10, {args.rows} rows, global "
             f"batch {args.batch} ({args.rows // args.batch} steps per "
             f"epoch), {args.epochs} epochs per fit, {args.rounds} "
-            "alternating rounds",
+            f"alternating rounds, input {args.input}",
         )
     )
     for place in args.where:
@@ -233,6 +278,7 @@ def main():
     parser.add_argument(
         "--where", nargs="+", choices=PLACES, default=list(PLACES)
     )
+    parser.add_argument("--input", choices=INPUTS, default="tf.data")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--rows", type=int, default=24576)

@@ -8,23 +8,16 @@ method does lives in `keras_hetero.training`: the step (`training.step`),
 `training.runtime`).
 """
 
-import warnings
-
 from keras_hetero import _compat
 from keras_hetero import _distribute
-from keras_hetero import precision as precision_lib
 from keras_hetero._compat import keras
 from keras_hetero.training import epochs
 from keras_hetero.training import fitting
 from keras_hetero.training import loop
-from keras_hetero.training import loss_scale as loss_scale_lib
-from keras_hetero.training import low_communication
 from keras_hetero.training import options
 from keras_hetero.training import runtime
 from keras_hetero.training import state
 from keras_hetero.training import step
-from keras_hetero.training import stopping
-from keras_hetero.training import telemetry
 
 
 class HeteroModel(_compat.TrainerOverrides, keras.Model):
@@ -153,7 +146,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
                 # A subclass calling `super().__init__(inputs, outputs)`.
-                _derive_from_functional(type(self))
+                _compat.derive_from_functional(
+                    type(self), HeteroModel, _FunctionalHeteroModel
+                )
             _compat.init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
@@ -252,31 +247,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
         return step.test_step(self, data)
 
     def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return self.train_function
-        strategy = self.distribute_strategy
-        run = state.run_state(self)
-        if run.telemetry is None and not _distribute.is_parameter_server(
-            strategy
-        ):
-            run.telemetry = telemetry.Telemetry(
-                strategy,
-                _distribute.global_replica_devices(strategy),
-                waits=self.hetero_settings.low_communication is not None,
-                carries_stop=stopping.carries_requests(
-                    strategy, self.hetero_settings
-                ),
-            )
-        if self.built:  # else its first trace builds the model and sums
-            runtime.accumulator(self)
-        if self.hetero_settings.low_communication is not None:
-            low_communication.check_model(self)
-            runtime.local_training(self)
-        super().make_train_function(force=force)
-        self.train_function = step.timed_train_function(
-            self, self.train_function
+        return fitting.make_train_function(
+            self, super().make_train_function, force
         )
-        return self.train_function
 
     def _hetero_make_function(self, step_function):
         # Called by `_compat.Keras3TrainerOverrides` (Keras 3).
@@ -289,37 +262,7 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
     # --- compile, fit, evaluate, predict (training.fitting) ---------------
 
     def compile(self, *args, **kwargs):
-        fitting.check_strategy(self, "compile")
-        settings = self.hetero_settings
-        if settings.low_communication is not None:
-            low_communication.check_strategy(self.distribute_strategy)
-        super().compile(*args, **kwargs)
-        if _compat.is_loss_scale_optimizer(self.optimizer):
-            # Keras wraps the optimizer itself under a mixed_float16 policy.
-            # Its LossScaleOptimizer decides "finite" from replica 0's
-            # gradients before the all-reduce; HeteroModel scales the loss
-            # and checks the aggregated gradients (see `loss_scale`).
-            self.optimizer = self.optimizer.inner_optimizer
-        _compat.skip_optimizer_all_reduce(
-            self.optimizer, self.distribute_strategy
-        )
-        # Workers agree here (one exchange under MultiWorkerMirrored): the
-        # loss scale below makes variables on every worker or on none.
-        policy = precision_lib.resolve(
-            settings.precision,
-            self.distribute_strategy,
-            settings={
-                "compute dtypes": sorted(precision_lib.compute_dtypes(self)),
-                "auto_scale_loss": kwargs.get("auto_scale_loss", True),
-            },
-        )
-        needs_scaling = precision_lib.check_model(self, policy)
-        run = state.run_state(self)
-        run.loss_scale = None
-        # Keras 3's `compile(auto_scale_loss=False)`: no loss scaling.
-        if needs_scaling and kwargs.get("auto_scale_loss", True):
-            with self.distribute_strategy.scope():
-                run.loss_scale = loss_scale_lib.DynamicLossScale()
+        fitting.compile_model(self, super().compile, args, kwargs)
 
     def fit(self, x=None, y=None, *args, **kwargs):
         return fitting.fit(self, super().fit, x, y, args, kwargs)
@@ -415,20 +358,9 @@ class HeteroModel(_compat.TrainerOverrides, keras.Model):
             config: The dict `get_compile_config()` returned at save time.
         """
         if type(self).compile is not HeteroModel.compile:
-            # As Keras does for a `compile` it does not know (the user's).
-            warnings.warn(
-                "`compile()` was not called as part of model loading "
-                "because the model's `compile()` method is custom. "
-                "All subclassed Models that have `compile()` "
-                "overridden should also override "
-                "`get_compile_config()` and `compile_from_config(config)`. "
-                "Alternatively, you can call `compile()` manually after "
-                "loading.",
-                stacklevel=2,
-            )
+            runtime.warn_custom_compile()  # as Keras does: the user's
             return
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
+        self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built:
             _compat.build_optimizer(self)
 
@@ -510,23 +442,3 @@ class _WrappedModel(HeteroModel):
         super().compile_from_config(config)
         if self._optimizer_shared and self.optimizer is not None:
             self.wrapped.optimizer = self.optimizer
-
-
-def _derive_from_functional(cls):
-    """Puts the functional HeteroModel under `cls` in place of HeteroModel.
-
-    What Keras does for a `keras.Model` subclass whose `__init__` calls
-    `super().__init__(inputs, outputs)` (`inject_functional_model_class`:
-    `Model` becomes `Functional` in the bases of the subclass and of its
-    parents up to `Model`), except that it stops at HeteroModel, which itself
-    stays as it is: rewriting it would make every HeteroModel functional.
-
-    Returns:
-        `cls`, or the class that replaces it in the bases.
-    """
-    if cls is HeteroModel:
-        return _FunctionalHeteroModel
-    if not issubclass(cls, HeteroModel) or issubclass(cls, _compat.Functional):
-        return cls
-    cls.__bases__ = tuple(_derive_from_functional(b) for b in cls.__bases__)
-    return cls

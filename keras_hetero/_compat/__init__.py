@@ -104,6 +104,9 @@ from keras_hetero._compat.model import all_layers as all_layers
 from keras_hetero._compat.model import build_optimizer as build_optimizer
 from keras_hetero._compat.model import compile_arguments as compile_arguments
 from keras_hetero._compat.model import (
+    derive_from_functional as derive_from_functional,
+)
+from keras_hetero._compat.model import (
     fix_synchronized_batch_norm as fix_synchronized_batch_norm,
 )
 from keras_hetero._compat.model import functional_config as functional_config

@@ -257,3 +257,27 @@ def inbound_nodes(layer):
     `_inbound_nodes` in both flavours; Keras has no public graph walk of a
     model's layers), each with `input_tensors` and `output_tensors`."""
     return getattr(layer, "_inbound_nodes", None) or []
+
+
+def derive_from_functional(cls, base, functional):
+    """Puts `functional` (the functional class of `base`) under `cls` in
+    place of `base`.
+
+    What Keras does for a `keras.Model` subclass whose `__init__` calls
+    `super().__init__(inputs, outputs)` (`inject_functional_model_class`,
+    keras/src/models/model.py: `Model` becomes `Functional` in the bases
+    of the subclass and of its parents up to `Model`), except that it stops
+    at `base` (HeteroModel), which itself stays as it is: rewriting it
+    would make every HeteroModel functional.
+
+    Returns:
+        `cls`, or the class that replaces it in the bases.
+    """
+    if cls is base:
+        return functional
+    if not issubclass(cls, base) or issubclass(cls, Functional):
+        return cls
+    cls.__bases__ = tuple(
+        derive_from_functional(b, base, functional) for b in cls.__bases__
+    )
+    return cls

@@ -14,16 +14,21 @@ from keras_hetero import _callback_protocol
 from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero import _phases
+from keras_hetero import precision as precision_lib
 from keras_hetero.data import arrays
 from keras_hetero.data.shard import HeteroDataset
 from keras_hetero.training import agreement
 from keras_hetero.training import batch_statistics
 from keras_hetero.training import epochs
 from keras_hetero.training import keras_callbacks
+from keras_hetero.training import loss_scale as loss_scale_lib
 from keras_hetero.training import low_communication
 from keras_hetero.training import parameter_server
 from keras_hetero.training import runtime
 from keras_hetero.training import state
+from keras_hetero.training import step
+from keras_hetero.training import stopping
+from keras_hetero.training import telemetry
 
 
 def fit(model, keras_fit, x, y, args, kwargs):
@@ -225,3 +230,70 @@ def as_input(model, x, repeat=False, class_weight=None):
     # MultiWorkerMirroredStrategy; low-communication inner steps then run
     # no collective at all.
     return _compat.without_partial_batch_check(distributed)
+
+
+def make_train_function(model, keras_make_train_function, force):
+    """HeteroModel's `make_train_function`: Keras' own (passed in), with
+    the step's telemetry, the accumulator and the low-communication state
+    set up first, and timed (`step.timed_train_function`)."""
+    if model.train_function is not None and not force:
+        return model.train_function
+    strategy = model.distribute_strategy
+    run = state.run_state(model)
+    if run.telemetry is None and not _distribute.is_parameter_server(strategy):
+        run.telemetry = telemetry.Telemetry(
+            strategy,
+            _distribute.global_replica_devices(strategy),
+            waits=model.hetero_settings.low_communication is not None,
+            carries_stop=stopping.carries_requests(
+                strategy, model.hetero_settings
+            ),
+        )
+    if model.built:  # else its first trace builds the model and sums
+        runtime.accumulator(model)
+    if model.hetero_settings.low_communication is not None:
+        low_communication.check_model(model)
+        runtime.local_training(model)
+    keras_make_train_function(force=force)
+    model.train_function = step.timed_train_function(
+        model, model.train_function
+    )
+    return model.train_function
+
+
+def compile_model(model, keras_compile, args, kwargs):
+    """HeteroModel's `compile`: Keras' (`keras_compile`), then the
+    optimizer HeteroModel steps with (Keras' loss-scale wrapper taken off,
+    no all-reduce of its own) and the loss scale the precision needs,
+    which every worker agrees on here."""
+    check_strategy(model, "compile")
+    settings = model.hetero_settings
+    if settings.low_communication is not None:
+        low_communication.check_strategy(model.distribute_strategy)
+    keras_compile(*args, **kwargs)
+    if _compat.is_loss_scale_optimizer(model.optimizer):
+        # Keras wraps the optimizer itself under a mixed_float16 policy.
+        # Its LossScaleOptimizer decides "finite" from replica 0's
+        # gradients before the all-reduce; HeteroModel scales the loss
+        # and checks the aggregated gradients (see `loss_scale`).
+        model.optimizer = model.optimizer.inner_optimizer
+    _compat.skip_optimizer_all_reduce(
+        model.optimizer, model.distribute_strategy
+    )
+    # Workers agree here (one exchange under MultiWorkerMirrored): the
+    # loss scale below makes variables on every worker or on none.
+    policy = precision_lib.resolve(
+        settings.precision,
+        model.distribute_strategy,
+        settings={
+            "compute dtypes": sorted(precision_lib.compute_dtypes(model)),
+            "auto_scale_loss": kwargs.get("auto_scale_loss", True),
+        },
+    )
+    needs_scaling = precision_lib.check_model(model, policy)
+    run = state.run_state(model)
+    run.loss_scale = None
+    # Keras 3's `compile(auto_scale_loss=False)`: no loss scaling.
+    if needs_scaling and kwargs.get("auto_scale_loss", True):
+        with model.distribute_strategy.scope():
+            run.loss_scale = loss_scale_lib.DynamicLossScale()

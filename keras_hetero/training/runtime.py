@@ -166,3 +166,19 @@ def _load_low_communication(model, arrays):
         return
     for variable, array in zip(variables, arrays):
         variable.assign(array)
+
+
+def warn_custom_compile():
+    """Keras' warning for a model loaded uncompiled because its class
+    overrides `compile` (`compile_from_config` does not know the user's
+    `compile`)."""
+    warnings.warn(
+        "`compile()` was not called as part of model loading "
+        "because the model's `compile()` method is custom. "
+        "All subclassed Models that have `compile()` "
+        "overridden should also override "
+        "`get_compile_config()` and `compile_from_config(config)`. "
+        "Alternatively, you can call `compile()` manually after "
+        "loading.",
+        stacklevel=3,
+    )
