@@ -56,7 +56,7 @@ from _harness import parse_args
 from _harness import smoke_parser
 
 from keras_hetero.balancing import core as rebalance
-from keras_hetero.checkpointing import young_daly_interval
+from keras_hetero.checkpointing.schedule import young_daly_interval
 from keras_hetero.data.shares import ShareSchedule
 from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import scoring

@@ -43,6 +43,7 @@ except ImportError as error:
 from keras_hetero import _compat
 from keras_hetero import checkpointing
 from keras_hetero.checkpointing import callback as elastic_checkpoint
+from keras_hetero.checkpointing import storage
 
 logger = logging.getLogger("keras_hetero")
 
@@ -201,11 +202,11 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         os.makedirs(self.directory, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".fetch-", dir=self.directory)
         reported.to_directory(staging)
-        with open(os.path.join(staging, checkpointing.STATE)) as f:
+        with open(os.path.join(staging, storage.STATE)) as f:
             step = json.load(f)["global_step"]
         os.rename(
             staging,
-            os.path.join(self.directory, checkpointing.checkpoint_name(step)),
+            os.path.join(self.directory, storage.checkpoint_name(step)),
         )
         logger.info(
             "kh.ray.ElasticCheckpoint: fetched Ray checkpoint %s (step %d).",
@@ -245,7 +246,7 @@ class ElasticCheckpoint(elastic_checkpoint.ElasticCheckpoint):
         """Reports metrics on every worker; the chief attaches a checkpoint
         of the current step unless nothing was trained since the last one."""
         checkpoint = None
-        name = checkpointing.checkpoint_name(self.global_step)
+        name = storage.checkpoint_name(self.global_step)
         path = os.path.join(self.directory, name)
         local = self._low_communication()
         if self._since_report and local is not None:

@@ -2,7 +2,7 @@
 
 import sys
 
-from keras_hetero.launcher import run_main
+from keras_hetero.launcher.cli import run_main
 
 if __name__ == "__main__":
     sys.exit(run_main())

@@ -114,7 +114,22 @@ def remove_partial(directory):
 
 
 def list_checkpoints(directory):
-    """Checkpoint names in `directory`, oldest first."""
+    """Checkpoint names in `directory`, oldest first.
+
+    Args:
+        directory: An `ElasticCheckpoint` directory.
+
+    Returns:
+        A list of names (`ckpt-0000000010`: the global step), `[]` for a
+        directory that does not exist. Partial writes (hidden temporary
+        directories) are not listed; a listed one may still be corrupt
+        (`verify`).
+
+    Example:
+
+    >>> kh.checkpointing.list_checkpoints("/no/such/directory")
+    []
+    """
     if not os.path.isdir(directory):
         return []
     return sorted(
@@ -125,7 +140,21 @@ def list_checkpoints(directory):
 
 
 def read_latest(directory):
-    """The name the `latest` pointer names, or None."""
+    """The checkpoint the directory's `latest` pointer names.
+
+    Args:
+        directory: An `ElasticCheckpoint` directory.
+
+    Returns:
+        A checkpoint name, or None (no pointer yet, or unreadable).
+        `newest_valid` is what a restart uses: the pointer's checkpoint
+        if it verifies, else the newest that does.
+
+    Example:
+
+    >>> kh.checkpointing.read_latest("/no/such/directory") is None
+    True
+    """
     try:
         with open(os.path.join(directory, LATEST)) as f:
             return f.read().strip() or None
@@ -136,8 +165,26 @@ def read_latest(directory):
 def verify(path):
     """Checks a checkpoint against its manifest; returns its state dict.
 
+    Every file the manifest lists must exist with its size and SHA-256.
+
+    Args:
+        path: A checkpoint directory (`directory/ckpt-...`).
+
+    Returns:
+        The checkpoint's state: a dict with `global_step`, `epoch`,
+        `step_in_epoch`, `shares`, `shuffle_seed` and the rest
+        `ElasticCheckpoint` records (docs/checkpoints.md).
+
     Raises:
         CorruptCheckpointError: Saying what is missing or does not match.
+
+    Example:
+
+    >>> try:
+    ...     kh.checkpointing.verify("/no/such/ckpt-0000000001")
+    ... except kh.checkpointing.CorruptCheckpointError as error:
+    ...     print("corrupt")
+    corrupt
     """
     try:
         with open(os.path.join(path, MANIFEST)) as f:
@@ -172,6 +219,18 @@ def newest_valid(directory):
 
     Tries the one `latest` names first, then the others newest first;
     each one skipped is reported with a warning saying why.
+
+    Args:
+        directory: An `ElasticCheckpoint` directory.
+
+    Returns:
+        `(path, state)` as `verify` gives the state, or None when no
+        checkpoint verifies (or there is none).
+
+    Example:
+
+    >>> kh.checkpointing.newest_valid("/no/such/directory") is None
+    True
     """
     names = list_checkpoints(directory)
     latest = read_latest(directory)

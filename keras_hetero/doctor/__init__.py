@@ -129,7 +129,7 @@ def doctor(
         )
     if model is not None:
         model_check.check(model)
-    parsed = cluster_lib.cluster_tasks()
+    parsed = _distribute.cluster_tasks()
     if collective:
         _check_collective(parsed)
     # The cluster first: MultiWorkerMirroredStrategy must start before

@@ -26,7 +26,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_hetero import _distribute
-from keras_hetero._distribute import cluster_tasks as cluster_tasks
 from keras_hetero.doctor.report import ClusterReport
 from keras_hetero.doctor.report import PeerReport
 

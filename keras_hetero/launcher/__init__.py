@@ -13,15 +13,28 @@ ports (also for `kh.testing.run_workers`), or free ports of a range
 restarted workers run in.
 """
 
-from keras_hetero._environment import HANG_REPORT_ENV as HANG_REPORT_ENV
-from keras_hetero._environment import NUM_WORKERS_ENV as NUM_WORKERS_ENV
-from keras_hetero._environment import RESTART_ENV as RESTART_ENV
-from keras_hetero.launcher.cli import main as main
-from keras_hetero.launcher.cli import run_main as run_main
-from keras_hetero.launcher.group import Attempt as Attempt
-from keras_hetero.launcher.group import LaunchResult as LaunchResult
-from keras_hetero.launcher.group import launch as launch
-from keras_hetero.launcher.group import lost_workers as lost_workers
-from keras_hetero.launcher.hosts import launch_host as launch_host
-from keras_hetero.launcher.ports import free_ports as free_ports
-from keras_hetero.launcher.rendezvous import TOKEN_ENV as TOKEN_ENV
+from keras_hetero._environment import HANG_REPORT_ENV
+from keras_hetero._environment import NUM_WORKERS_ENV
+from keras_hetero._environment import RESTART_ENV
+from keras_hetero.launcher.cli import main
+from keras_hetero.launcher.group import Attempt
+from keras_hetero.launcher.group import LaunchResult
+from keras_hetero.launcher.group import launch
+from keras_hetero.launcher.group import lost_workers
+from keras_hetero.launcher.hosts import launch_host
+from keras_hetero.launcher.ports import free_ports
+from keras_hetero.launcher.rendezvous import TOKEN_ENV
+
+__all__ = [
+    "HANG_REPORT_ENV",
+    "NUM_WORKERS_ENV",
+    "RESTART_ENV",
+    "main",
+    "Attempt",
+    "LaunchResult",
+    "launch",
+    "lost_workers",
+    "launch_host",
+    "free_ports",
+    "TOKEN_ENV",
+]

@@ -18,26 +18,16 @@ programs and the local search; pure Python, testable without TensorFlow),
 themselves).
 """
 
-from keras_hetero.layers import chain_layers as chain_layers
-from keras_hetero.placement.costs import DEFAULT_BANDWIDTH as DEFAULT_BANDWIDTH
-from keras_hetero.placement.costs import (
-    DEFAULT_FLOPS_PER_SECOND as DEFAULT_FLOPS_PER_SECOND,
-)
-from keras_hetero.placement.costs import PARAMETER_COPIES as PARAMETER_COPIES
-from keras_hetero.placement.costs import (
-    TRAINING_FLOP_FACTOR as TRAINING_FLOP_FACTOR,
-)
-from keras_hetero.placement.layout import (
-    CROSS_WORKER_PIPELINE as CROSS_WORKER_PIPELINE,
-)
-from keras_hetero.placement.layout import DATA_PARALLEL as DATA_PARALLEL
-from keras_hetero.placement.layout import (
-    DEFAULT_NETWORK_BANDWIDTH as DEFAULT_NETWORK_BANDWIDTH,
-)
-from keras_hetero.placement.layout import PIPELINE as PIPELINE
-from keras_hetero.placement.layout import (
-    REPLICATED_PIPELINES as REPLICATED_PIPELINES,
-)
+from keras_hetero.layers import chain_layers
+from keras_hetero.placement.costs import DEFAULT_BANDWIDTH
+from keras_hetero.placement.costs import DEFAULT_FLOPS_PER_SECOND
+from keras_hetero.placement.costs import PARAMETER_COPIES
+from keras_hetero.placement.costs import TRAINING_FLOP_FACTOR
+from keras_hetero.placement.layout import CROSS_WORKER_PIPELINE
+from keras_hetero.placement.layout import DATA_PARALLEL
+from keras_hetero.placement.layout import DEFAULT_NETWORK_BANDWIDTH
+from keras_hetero.placement.layout import PIPELINE
+from keras_hetero.placement.layout import REPLICATED_PIPELINES
 from keras_hetero.placement.layout import Device
 from keras_hetero.placement.layout import Layout
 from keras_hetero.placement.layout import LayoutChoice
@@ -48,11 +38,11 @@ from keras_hetero.placement.planner import Stage
 from keras_hetero.placement.planner import plan
 from keras_hetero.placement.profiling import Profile
 from keras_hetero.placement.profiling import profile
-from keras_hetero.placement.search import partition as partition
+from keras_hetero.placement.search import partition
 
-# The documented API. The `name as name` imports are importable from here
-# too, outside it: the cost model's defaults, `Layout.kind`'s values, the
-# fixed-order split, and the chain of layers a plan covers.
+# The documented API (docs/api.md): the planner, the cost model's defaults,
+# `Layout.kind`'s values, the fixed-order split, and the chain of layers a
+# plan covers.
 __all__ = [
     "Device",
     "Layout",
@@ -64,4 +54,15 @@ __all__ = [
     "plan",
     "plan_layout",
     "profile",
+    "chain_layers",
+    "DEFAULT_BANDWIDTH",
+    "DEFAULT_FLOPS_PER_SECOND",
+    "PARAMETER_COPIES",
+    "TRAINING_FLOP_FACTOR",
+    "CROSS_WORKER_PIPELINE",
+    "DATA_PARALLEL",
+    "DEFAULT_NETWORK_BANDWIDTH",
+    "PIPELINE",
+    "REPLICATED_PIPELINES",
+    "partition",
 ]

@@ -11,6 +11,8 @@ import tensorflow as tf
 import keras_hetero as kh
 from keras_hetero import checkpointing
 from keras_hetero._compat import keras
+from keras_hetero.checkpointing import schedule
+from keras_hetero.checkpointing import storage
 from tests.conftest import DEVICES
 from tests.support import helpers
 
@@ -153,7 +155,7 @@ def test_resume_counts_steps_not_calls(tmp_path, steps_per_execution):
     )
     trained = 2 * steps_per_execution
     assert checkpointing.read_latest(tmp_path) == (
-        checkpointing.checkpoint_name(trained)
+        storage.checkpoint_name(trained)
     )
     trained_before = list(seen)
     assert len(trained_before) == trained * BATCH
@@ -204,7 +206,7 @@ def test_truncated_latest_falls_back_to_previous(tmp_path, caplog):
     data_file = [
         f
         for f in os.listdir(tmp_path / names[-1])
-        if f.startswith(checkpointing.TENSORS + ".data")
+        if f.startswith(storage.TENSORS + ".data")
     ][0]
     path = tmp_path / names[-1] / data_file
     path.write_bytes(path.read_bytes()[:-4])
@@ -249,7 +251,7 @@ def test_async_saves_never_overlap(tmp_path):
     # flight waited for the next boundary, and the last step is saved.
     assert steps == sorted(set(steps)) and steps[-1] == 10
     names = checkpointing.list_checkpoints(tmp_path)
-    assert names == [checkpointing.checkpoint_name(s) for s in steps]
+    assert names == [storage.checkpoint_name(s) for s in steps]
     for name in names:
         checkpointing.verify(os.path.join(tmp_path, name))
     assert all(w is not None for _, _, w in ckpt.saves)
@@ -358,13 +360,13 @@ def test_different_model_is_a_clear_error(tmp_path):
 
 
 def test_young_daly_interval_and_parsing():
-    assert checkpointing.parse_save_every(25).steps == 25
-    assert checkpointing.parse_save_every("90s").seconds == 90.0
-    assert checkpointing.parse_save_every("2h").seconds == 7200.0
-    assert checkpointing.parse_save_every("auto").auto
+    assert schedule.parse_save_every(25).steps == 25
+    assert schedule.parse_save_every("90s").seconds == 90.0
+    assert schedule.parse_save_every("2h").seconds == 7200.0
+    assert schedule.parse_save_every("auto").auto
     # sqrt(2 * 2 s * 3600 s) = 120 s; a slow background write bounds it.
-    assert checkpointing.young_daly_interval(2.0, 3600) == pytest.approx(120)
-    assert checkpointing.young_daly_interval(2.0, 3600, minimum=300) == 300
+    assert schedule.young_daly_interval(2.0, 3600) == pytest.approx(120)
+    assert schedule.young_daly_interval(2.0, 3600, minimum=300) == 300
 
 
 def test_save_after_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
@@ -385,7 +387,7 @@ def test_save_after_the_last_step_of_an_epoch_resumes_at_the_next(tmp_path):
         ],
     )
     shutil.rmtree(tmp_path / "ckpt-0000000011")
-    os.remove(tmp_path / checkpointing.LATEST)
+    os.remove(tmp_path / storage.LATEST)
     state = checkpointing.verify(tmp_path / "ckpt-0000000010")
     assert (state["epoch"], state["step_in_epoch"]) == (1, 0)
     again, seen = _resumed_run(strategy, tmp_path, epochs=2)

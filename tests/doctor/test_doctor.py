@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
+from keras_hetero import _distribute
 from keras_hetero.balancing import memory
 from keras_hetero.doctor import cluster as cluster_lib
 from keras_hetero.doctor import host as host_lib
@@ -300,7 +301,7 @@ def test_a_malformed_tf_config_is_named(monkeypatch, tf_config, named):
 
 def test_tasks_reach_each_other_and_a_used_port_is_named():
     ports = _free_ports(2)
-    tasks, _ = cluster_lib.cluster_tasks({"TF_CONFIG": _tf_config(ports, 0)})
+    tasks, _ = _distribute.cluster_tasks({"TF_CONFIG": _tf_config(ports, 0)})
     results = {}
 
     def check(own):
