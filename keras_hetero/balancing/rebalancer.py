@@ -11,8 +11,8 @@ from keras_hetero._checks import check_number
 from keras_hetero.balancing import core as rebalance
 from keras_hetero.balancing import memory
 from keras_hetero.data.shard import HeteroDataset
+from keras_hetero.training import clock_check
 from keras_hetero.training import trust_check
-from keras_hetero.training.clock_check import ClockCheck
 
 logger = logging.getLogger("keras_hetero")
 
@@ -226,6 +226,7 @@ class ShardRebalancer(base.HeteroCallback):
 
     def on_train_begin(self, logs=None):
         self._reset()
+        clock_check.forget(self.model)
         if self.dataset is not None and not self._auto:
             self.row_caps = _given_caps(self.max_rows, self.dataset)
 
@@ -254,11 +255,14 @@ class ShardRebalancer(base.HeteroCallback):
         self.rebalance_now()
 
     def _check_clock(self, stats):
-        if self._clock is None or len(self._clock.devices) != len(stats.rows):
-            self._clock = ClockCheck(stats.devices)
+        # The model's one check, shared with a StragglerDetector.
+        self._clock = clock_check.shared(self.model, stats.devices)
         self._report(
             self._clock.add(
-                stats.rows, stats.compute_seconds, stats.measured_steps
+                stats.rows,
+                stats.compute_seconds,
+                stats.measured_steps,
+                at=stats.step,
             )
         )
 

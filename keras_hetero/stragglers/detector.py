@@ -19,7 +19,7 @@ from keras_hetero._environment import HANG_REPORT_ENV
 from keras_hetero.stragglers import communication
 from keras_hetero.stragglers import links
 from keras_hetero.stragglers import scoring as straggler
-from keras_hetero.training.clock_check import ClockCheck
+from keras_hetero.training import clock_check
 
 logger = logging.getLogger("keras_hetero")
 
@@ -185,6 +185,7 @@ class StragglerDetector(base.HeteroCallback):
         self.hangs = []
         self.clock_findings = []
         self._clock = None
+        clock_check.forget(self.model)
         self._scorer = None
         self._communication = None
         self._watch = None
@@ -221,6 +222,7 @@ class StragglerDetector(base.HeteroCallback):
         self.hangs = []
         self.clock_findings = []
         self._clock = None
+        clock_check.forget(self.model)
         self._scorer = None
         restored = getattr(self, "_restored_communication", None)
         self._communication = communication.CommunicationTracker(
@@ -271,9 +273,15 @@ class StragglerDetector(base.HeteroCallback):
             # Low-communication training before a synchronisation: the
             # round's numbers arrive with it.
             return
-        if self._clock is None or len(self._clock.devices) != len(rows):
-            self._clock = ClockCheck(devices)
-        findings = self._clock.add(rows, seconds, measured)
+        stats = getattr(self.model, "step_stats", None)
+        if stats is not None:
+            # The model's one check, shared with a ShardRebalancer.
+            self._clock = clock_check.shared(self.model, devices)
+        elif self._clock is None or len(self._clock.devices) != len(rows):
+            self._clock = clock_check.ClockCheck(devices)
+        findings = self._clock.add(
+            rows, seconds, measured, at=None if stats is None else stats.step
+        )
         for finding in findings:
             self.clock_findings.append(finding)
             logger.warning(

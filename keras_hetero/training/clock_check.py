@@ -43,6 +43,8 @@ import dataclasses
 
 import numpy as np
 
+from keras_hetero.training import state
+
 FLOOR_SECONDS = 1e-5
 # The in-step clock must read at least this fraction of the
 # host-synchronised time of the same work to be trusted...
@@ -174,8 +176,11 @@ class ClockCheck:
         self._last_rows = np.full(replicas, np.nan)
         self._age = np.full(replicas, -1, np.int64)
         self._before = np.full((2, replicas), np.nan)  # rows, seconds
+        # `add(..., at=)`: the key and the findings of the last reading.
+        self._last_at = None
+        self._last_findings = []
 
-    def add(self, rows, seconds, steps=1):
+    def add(self, rows, seconds, steps=1, at=None):
         """Adds one reading (one train-function call); returns the new
         findings (replicas found blind or noisy by this reading).
 
@@ -188,10 +193,22 @@ class ClockCheck:
             seconds: Compute seconds per replica, summed over `steps` (NaN:
                 not measured, e.g. an XLA-compiled step).
             steps: Steps the reading covers. Defaults to `1`.
+            at: A key of the reading (the model's step count): a reading
+                added again under the same key is not counted twice, and
+                returns the findings it gave (several callbacks share one
+                check: `shared`). Defaults to `None` (always added).
 
         Returns:
             A list of `ClockFinding`, empty when nothing new was found.
         """
+        if at is not None and at == self._last_at:
+            return list(self._last_findings)
+        findings = self._add(rows, seconds, steps)
+        if at is not None:
+            self._last_at, self._last_findings = at, list(findings)
+        return findings
+
+    def _add(self, rows, seconds, steps):
         steps = max(int(steps), 1)
         rows = np.asarray(rows, np.float64) / steps
         seconds = np.asarray(seconds, np.float64) / steps
@@ -412,3 +429,32 @@ def _last_medians(rows, seconds, count):
             result[0, column] = np.median(rows[seen, column])
             result[1, column] = np.median(seconds[seen, column])
     return result
+
+
+def shared(model, devices):
+    """The one `ClockCheck` of `model`'s current `fit` for `devices`: the
+    rebalancer and the straggler detector feed it the same readings
+    (`add(..., at=step)` counts each once) and read the same findings.
+
+    Args:
+        model: A HeteroModel (anything else: a check of its own each call,
+            for the caller to keep).
+        devices: The device of each global replica.
+
+    Returns:
+        A `ClockCheck`: the model's, made anew when the replicas differ
+        from the last call's or after `forget`.
+    """
+    run = None if model is None else state.run_state(model)
+    if run is None:
+        return ClockCheck(devices)
+    if run.clock_check is None or run.clock_check.devices != list(devices):
+        run.clock_check = ClockCheck(devices)
+    return run.clock_check
+
+
+def forget(model):
+    """Drops `model`'s shared check (each `fit` starts a new one)."""
+    run = None if model is None else state.run_state(model)
+    if run is not None:
+        run.clock_check = None

@@ -32,6 +32,8 @@ class RunState:
         worker_devices: One list of `keras_hetero.devices.DeviceDescription`
             per worker (by global worker index) of its replica devices, as
             the workers exchanged them at the start of the last `fit`.
+        clock_check: The `ClockCheck` the callbacks of this `fit` share
+            (`clock_check.shared`).
     """
 
     def __init__(self):
@@ -41,6 +43,7 @@ class RunState:
         self.local_training = None
         self.parameter_server = None
         self.worker_devices = None
+        self.clock_check = None
 
 
 def attach(model, settings):

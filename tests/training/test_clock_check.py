@@ -232,6 +232,50 @@ def test_detector_raises_no_false_alarm_from_a_blind_replica(
     assert len(named) == 1
 
 
+def test_the_rebalancer_and_the_detector_share_one_check(monkeypatch):
+    # One set of readings and findings per fit: each train-function call
+    # is one reading, however many callbacks feed it.
+    _blind_clock_on(DEVICES[1], monkeypatch)
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = helpers.slow_model(strategy, 0.001)
+    data = kh.data.shard(helpers.examples(rows=30 * 20), 30, strategy=strategy)
+    rebalancer = kh.callbacks.ShardRebalancer(
+        data, every_n_steps=4, window=4, warmup_steps=0
+    )
+    detector = kh.callbacks.StragglerDetector(patience=2, window=3)
+    added = []
+    original = ClockCheck._add
+
+    def counting(check, *args):
+        added.append(id(check))
+        return original(check, *args)
+
+    monkeypatch.setattr(ClockCheck, "_add", counting)
+    model.fit(data, epochs=1, verbose=0, callbacks=[rebalancer, detector])
+    assert rebalancer._clock is detector._clock
+    assert len(set(added)) == 1
+    assert len(added) == 20  # one reading per step, not two
+    assert [(f.replica, f.sign) for f in rebalancer.clock_findings] == [
+        (1, "floor")
+    ]
+    assert detector.clock_findings == rebalancer.clock_findings
+    # The next fit starts a check of its own.
+    model.fit(data, epochs=1, verbose=0, callbacks=[rebalancer, detector])
+    assert rebalancer._clock is detector._clock
+    assert len(set(added)) == 2
+
+
+def test_add_counts_a_keyed_reading_once():
+    check = ClockCheck(GPUS, patience=2)
+    first = check.add([8, 8], [0.01, 0.0], at=1)
+    again = check.add([8, 8], [0.01, 0.0], at=1)
+    assert first == again == []
+    found = check.add([8, 8], [0.01, 0.0], at=2)
+    assert [f.replica for f in found] == [1]
+    assert [f.replica for f in check.add([8, 8], [0.01, 0.0], at=2)] == [1]
+    assert check.add([8, 8], [0.01, 0.0], at=3) == []  # reported once
+
+
 def test_at_1024_replicas_the_blind_half_is_found_and_no_other():
     """The vectorised check names exactly the replicas whose seconds stay
     flat when the shares move (half of 1,024), and no healthy one."""
