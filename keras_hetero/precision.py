@@ -19,6 +19,7 @@ import tensorflow as tf
 from keras_hetero import _agreement
 from keras_hetero import _compat
 from keras_hetero import devices as devices_lib
+from keras_hetero._checks import check_choice
 from keras_hetero._compat import keras
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -119,12 +120,11 @@ def check_precision(precision):
     Raises:
         ValueError: Naming the value and the accepted ones.
     """
-    if precision is None or precision == "auto" or precision in POLICIES:
-        return precision
-    raise ValueError(
-        "Invalid value for argument `precision`. Received: "
-        f"precision={precision!r}. Expected one of "
-        f"{(*POLICIES, 'auto')} or None."
+    return check_choice(
+        "precision",
+        precision,
+        (None, "auto", *POLICIES),
+        f"one of {(*POLICIES, 'auto')} or None",
     )
 
 

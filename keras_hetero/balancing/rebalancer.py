@@ -473,9 +473,4 @@ def _given_caps(max_rows, dataset):
 
 def _check_min_share(min_share, dataset):
     replicas = 1 if dataset is None else dataset.num_replicas
-    if not 0.0 <= float(min_share) <= 1.0 / replicas:
-        raise ValueError(
-            "Invalid value for argument `min_share`. Received: "
-            f"min_share={min_share!r}. Expected a number in [0, "
-            f"1/{replicas}]."
-        )
+    check_number("min_share", min_share, 0.0, 1.0 / replicas)

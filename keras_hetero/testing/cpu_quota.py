@@ -51,6 +51,7 @@ import os
 import time
 import uuid
 
+from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 
 GROUP_ENV = "KH_CPU_QUOTA_GROUP"
@@ -161,16 +162,7 @@ class CpuQuota:
                 f"name={name!r}. Expected a non-empty directory name "
                 "without `/`."
             )
-        if (
-            isinstance(period_us, bool)
-            or not isinstance(period_us, int)
-            or not _MIN_PERIOD_US <= period_us <= _MAX_PERIOD_US
-        ):
-            raise ValueError(
-                "Invalid value for argument `period_us`. Received: "
-                f"period_us={period_us!r}. Expected an integer in "
-                f"[{_MIN_PERIOD_US}, {_MAX_PERIOD_US}]."
-            )
+        check_int("period_us", period_us, _MIN_PERIOD_US, None, _MAX_PERIOD_US)
         fraction = checked_fraction(fraction, "fraction", fraction)
         _quota_us(fraction, period_us)
         version, mount = _cpu_controller()
@@ -569,11 +561,7 @@ class ThrottleAt(keras.callbacks.Callback):
 
     def __init__(self, step, fraction, group=None):
         super().__init__()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(
-                "Invalid value for argument `step`. Received: "
-                f"step={step!r}. Expected an integer >= 0."
-            )
+        check_int("step", step, 0)
         checked_fraction(fraction, "fraction", fraction)
         self.step = step
         self.fraction = fraction

@@ -43,6 +43,8 @@ import dataclasses
 
 import numpy as np
 
+from keras_hetero._checks import check_int
+from keras_hetero._checks import check_number
 from keras_hetero.training import state
 
 FLOOR_SECONDS = 1e-5
@@ -132,26 +134,15 @@ class ClockCheck:
         min_response=0.25,
         max_jitter=8.0,
     ):
-        for name, value, low in (
-            ("window", window, 4),
-            ("patience", patience, 1),
-        ):
-            if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected an integer >= {low}."
-                )
+        check_int("window", window, 4)
+        check_int("patience", patience, 1)
         for name, value in (
             ("floor_seconds", floor_seconds),
             ("min_rows_change", min_rows_change),
             ("min_response", min_response),
             ("max_jitter", max_jitter),
         ):
-            if not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected a number >= 0."
-                )
+            check_number(name, value, 0)
         self.devices = list(devices)
         self.window = int(window)
         self.patience = int(patience)

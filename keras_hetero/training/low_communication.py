@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_hetero import _compat
 from keras_hetero import _distribute
+from keras_hetero._checks import check_choice
 from keras_hetero._checks import check_int
 from keras_hetero._compat import keras
 from keras_hetero.training import aggregation
@@ -73,13 +74,9 @@ class LowCommunication:
 
     def __init__(self, sync_every, outer_optimizer=None, compression=None):
         self.sync_every = check_int("sync_every", sync_every)
-        if compression not in COMPRESSIONS:
-            raise ValueError(
-                "Invalid value for argument `compression`. Received: "
-                f"compression={compression!r}. Expected one of "
-                f"{COMPRESSIONS}."
-            )
-        self.compression = compression
+        self.compression = check_choice(
+            "compression", compression, COMPRESSIONS
+        )
         if outer_optimizer is None:
             outer_optimizer = keras.optimizers.SGD(
                 learning_rate=0.7, momentum=0.9, nesterov=True

@@ -8,7 +8,9 @@ import dataclasses
 import tensorflow as tf
 
 from keras_hetero import precision as precision_lib
+from keras_hetero._checks import check_choice
 from keras_hetero._checks import check_int
+from keras_hetero._checks import check_positive
 from keras_hetero.training import aggregation
 from keras_hetero.training import low_communication as low_communication_lib
 from keras_hetero.training import state
@@ -87,13 +89,11 @@ def pop_settings(mapping):
 
 def _check(settings):
     precision_lib.check_precision(settings.precision)
-    compression = settings.gradient_compression
-    if compression not in aggregation.COMPRESSIONS:
-        raise ValueError(
-            "Invalid value for argument `gradient_compression`. Received: "
-            f"gradient_compression={compression!r}. Expected one of "
-            f"{aggregation.COMPRESSIONS}."
-        )
+    check_choice(
+        "gradient_compression",
+        settings.gradient_compression,
+        aggregation.COMPRESSIONS,
+    )
     check_int("accumulation_steps", settings.accumulation_steps)
     check_int("pipeline_microbatches", settings.pipeline_microbatches)
     communication = settings.communication
@@ -105,16 +105,11 @@ def _check(settings):
             f"communication={communication!r}. Expected a "
             "`tf.distribute.experimental.CommunicationOptions` or None."
         )
-    clipnorm = settings.global_clipnorm
-    if clipnorm is not None and not (
-        isinstance(clipnorm, (int, float))
-        and not isinstance(clipnorm, bool)
-        and clipnorm > 0
-    ):
-        raise ValueError(
-            "Invalid value for argument `global_clipnorm`. Received: "
-            f"global_clipnorm={clipnorm!r}. Expected a positive number "
-            "or None."
+    if settings.global_clipnorm is not None:
+        check_positive(
+            "global_clipnorm",
+            settings.global_clipnorm,
+            "a positive number or None",
         )
     _check_bucket_bytes(settings)
     low_communication = settings.low_communication

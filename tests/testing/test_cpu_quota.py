@@ -116,18 +116,19 @@ def test_group_is_removed_when_the_block_raises(cgroups):
 
 
 # Loads cpu_quota.py without TensorFlow (a fresh interpreter importing it
-# costs ~8 s of CPU here): its one import from the package is Keras, for
-# the callbacks' base class.
+# costs ~8 s of CPU here): its imports from the package are Keras, for
+# the callbacks' base class, and the argument checks.
 _EXIT_WITHOUT_REMOVE = """
-import importlib.util, sys, types
+import importlib.util, os, sys, types
 compat = types.ModuleType("keras_hetero._compat")
 compat.keras = types.SimpleNamespace(
     callbacks=types.SimpleNamespace(Callback=object)
 )
-sys.modules.update(
-    {"keras_hetero": types.ModuleType("keras_hetero"),
-     "keras_hetero._compat": compat}
-)
+# The package without its `__init__` (no TensorFlow): `_checks` is the
+# real module, standard library only.
+package = types.ModuleType("keras_hetero")
+package.__path__ = [os.path.dirname(os.path.dirname(sys.argv[1]))]
+sys.modules.update({"keras_hetero": package, "keras_hetero._compat": compat})
 spec = importlib.util.spec_from_file_location("cpu_quota", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
