@@ -6,7 +6,6 @@ to save; its parts: `resume` (the checks and the restore before `fit`),
 stop, agreed between workers), `storage` (the files), `schedule` (when).
 """
 
-import json
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from keras_hetero import _phases
 from keras_hetero._checks import check_choice
 from keras_hetero._checks import check_int
 from keras_hetero.checkpointing import preemption
+from keras_hetero.checkpointing import record
 from keras_hetero.checkpointing import resume
 from keras_hetero.checkpointing import schedule
 from keras_hetero.checkpointing import storage
@@ -496,35 +496,6 @@ class ElasticCheckpoint(base.HeteroCallback):
             return self._epoch + 1, 0, 0
         return self._epoch, self._step_in_epoch, self._examples_in_epoch
 
-    def _state(self, names, variables):
-        dataset = self._dataset
-        epoch, step_in_epoch, examples = self._position()
-        return {
-            "global_step": self._global_step,
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "examples_in_epoch": examples,
-            "learning_rate": _learning_rate(self.model.optimizer),
-            "global_batch_size": dataset.global_batch_size,
-            "num_replicas": dataset.num_replicas,
-            "num_workers": _distribute.num_workers(
-                self.model.distribute_strategy
-            ),
-            "shares": [float(s) for s in dataset.shares],
-            "shuffle_seed": getattr(dataset, "seed", None),
-            "shuffle_mechanism": getattr(dataset, "shuffle_mechanism", None),
-            "data_pass": self._data_pass(epoch),
-            "callbacks": {
-                c.checkpoint_key: _plain(state)
-                for c, state in ((c, c.get_state()) for c in self._companions)
-                if state is not None
-            },
-            "variables": names,
-            "shapes": [list(v.shape) for v in variables],
-            "flavour": _compat.FLAVOUR,
-            "time": time.time(),
-        }
-
     def _data_pass(self, epoch):
         """The number of the input pass that trains `epoch` (or None)."""
         first_pass, first_epoch = getattr(self, "_first_pass", (None, 0))
@@ -536,7 +507,16 @@ class ElasticCheckpoint(base.HeteroCallback):
         started = time.perf_counter()
         names, variables = _compat.checkpoint_variables(self.model)
         arrays = [np.array(v.numpy()) for v in variables]
-        state = self._state(names, variables)
+        epoch, step_in_epoch, examples = self._position()
+        state = record.state(
+            self.model,
+            self._dataset,
+            position=(self._global_step, epoch, step_in_epoch, examples),
+            data_pass=self._data_pass(epoch),
+            callbacks=self._companions,
+            names=names,
+            variables=variables,
+        )
         if replica_state is not None:
             # Low-communication training: every replica's own copy of the
             # inner optimizer's state, after the model's tensors.
@@ -563,33 +543,6 @@ class ElasticCheckpoint(base.HeteroCallback):
             "step_in_epoch": self._step_in_epoch,
             "examples_in_epoch": self._examples_in_epoch,
         }
-
-
-def _learning_rate(optimizer):
-    """The optimizer's learning rate as a float, or None for a schedule."""
-    if optimizer is None or _compat.has_learning_rate_schedule(optimizer):
-        return None
-    rate = optimizer.learning_rate
-    try:
-        return float(rate.numpy() if hasattr(rate, "numpy") else rate)
-    except (TypeError, ValueError):
-        return None
-
-
-def _plain(value):
-    return json.loads(json.dumps(value, default=_to_builtin))
-
-
-def _to_builtin(value):
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if hasattr(value, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.asdict(value)
-    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
 
 
 def _check_directory(directory, write):

@@ -1,0 +1,79 @@
+"""What a checkpoint's `state.json` holds beside the tensors: where
+training stands, what the input and the job were, and the companion
+callbacks' states (read back by `resume`)."""
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+
+from keras_hetero import _compat
+from keras_hetero import _distribute
+
+
+def state(model, dataset, *, position, data_pass, callbacks, names, variables):
+    """The state record of a checkpoint of `model` trained on `dataset`.
+
+    Args:
+        model: The model saved.
+        dataset: Its `HeteroDataset` (or parameter-server input).
+        position: `(global step, epoch, step in epoch, examples in epoch)`
+            of the next step to train.
+        data_pass: The input pass that trains that epoch, or None.
+        callbacks: The `HeteroCallback`s whose `get_state()` is saved too.
+        names: The names of the saved variables.
+        variables: The saved variables (for their shapes).
+
+    Returns:
+        A dict of plain JSON data.
+    """
+    global_step, epoch, step_in_epoch, examples = position
+    return {
+        "global_step": global_step,
+        "epoch": epoch,
+        "step_in_epoch": step_in_epoch,
+        "examples_in_epoch": examples,
+        "learning_rate": _learning_rate(model.optimizer),
+        "global_batch_size": dataset.global_batch_size,
+        "num_replicas": dataset.num_replicas,
+        "num_workers": _distribute.num_workers(model.distribute_strategy),
+        "shares": [float(s) for s in dataset.shares],
+        "shuffle_seed": getattr(dataset, "seed", None),
+        "shuffle_mechanism": getattr(dataset, "shuffle_mechanism", None),
+        "data_pass": data_pass,
+        "callbacks": {
+            c.checkpoint_key: _plain(saved)
+            for c, saved in ((c, c.get_state()) for c in callbacks)
+            if saved is not None
+        },
+        "variables": names,
+        "shapes": [list(v.shape) for v in variables],
+        "flavour": _compat.FLAVOUR,
+        "time": time.time(),
+    }
+
+
+def _learning_rate(optimizer):
+    """The optimizer's learning rate as a float, or None for a schedule."""
+    if optimizer is None or _compat.has_learning_rate_schedule(optimizer):
+        return None
+    rate = optimizer.learning_rate
+    try:
+        return float(rate.numpy() if hasattr(rate, "numpy") else rate)
+    except (TypeError, ValueError):
+        return None
+
+
+def _plain(value):
+    return json.loads(json.dumps(value, default=_to_builtin))
+
+
+def _to_builtin(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "__dataclass_fields__"):
+        return dataclasses.asdict(value)
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
