@@ -271,6 +271,72 @@ class _Host:
         self.last_seen = now
 
 
+class _Hosts(dict):
+    """The joined hosts by rank (`_Host`s), and why others were refused:
+    the joins the server checks and admits."""
+
+    def __init__(self, max_hosts, job, count):
+        super().__init__()
+        self.max_hosts, self.job, self.count = max_hosts, job, count
+        self.refused = {}  # rank -> why its job was refused
+        self.wrong_token = []  # peers refused for a wrong token
+
+    def rank_of(self, channel):
+        """The rank whose connection is `channel`, or None."""
+        for rank, host in self.items():
+            if host.channel is channel:
+                return rank
+        return None
+
+    def refusal(self, rank, message):
+        """`(why a join is refused, whether the host may retry)`; `(None,
+        False)` for a welcome join."""
+        if (
+            isinstance(rank, bool)
+            or not isinstance(rank, int)
+            or not 0 <= rank < self.max_hosts
+        ):
+            return (
+                "Invalid value for argument `node_rank`. Received: "
+                f"node_rank={rank!r}. Expected a rank in "
+                f"[0, {self.max_hosts - 1}] (--nnodes {self.count})."
+            ), False
+        error = policy.job_mismatch(
+            self.job, message.get("job") or {}, rank=rank
+        )
+        if error is not None:
+            self.refused[rank] = error
+            return error, False
+        if rank in self:
+            return (
+                f"Host rank {rank} is already in the group (from "
+                f"{self[rank].address}): each host needs its own "
+                "--node-rank."
+            ), True
+        return None, False
+
+    def admit(self, rank, channel, message, now):
+        """Adds the host that joined as `rank`; returns its `_Host`."""
+        self.refused.pop(rank, None)
+        self[rank] = _Host(channel, message, now)
+        return self[rank]
+
+    def refusals(self, missing):
+        """Why the `missing` ranks are not here, as far as the server knows
+        (their joins refused, connections with a wrong token)."""
+        text = "".join(
+            f" Host rank {rank} was refused: {self.refused[rank]}"
+            for rank in missing
+            if rank in self.refused
+        )
+        if self.wrong_token:
+            text += (
+                f" {len(self.wrong_token)} connection(s) were refused for a "
+                f"wrong token (from {sorted(set(self.wrong_token))})."
+            )
+        return text
+
+
 class _Listener:
     """The server's socket: accepts connections, authenticates each
     (`server_handshake`) and turns its lines into events on `events`:
@@ -433,9 +499,7 @@ class RendezvousServer:
         self._listener = _Listener(bind, port, token)
         self.address = self._listener.address
         self._events = self._listener.events
-        self._hosts = {}  # rank -> _Host
-        self._refused = {}  # rank -> why its job was refused
-        self._wrong_token = []  # peers refused for a wrong token
+        self._hosts = _Hosts(max_hosts, job, self._count())
         self._state = "gather"
         self._round = 0  # the next round to start
         self._members = ()
@@ -520,7 +584,7 @@ class RendezvousServer:
         elif kind == "refused":
             channel, why = event[1], event[2]
             if why == "wrong token":
-                self._wrong_token.append(channel.peer.rpartition(":")[0])
+                self._hosts.wrong_token.append(channel.peer.rpartition(":")[0])
             _say(
                 self.output,
                 f"[rendezvous] refused a connection from {channel.peer}: {why}",
@@ -529,20 +593,14 @@ class RendezvousServer:
         elif kind == "join":
             self._join(event[1], event[2], now)
         elif kind == "closed":
-            rank = self._rank_of(event[1])
+            rank = self._hosts.rank_of(event[1])
             if rank is not None:
                 self._lose(rank, "its launcher's connection closed")
         elif kind == "message":
-            rank = self._rank_of(event[1])
+            rank = self._hosts.rank_of(event[1])
             if rank is not None:
                 self._hosts[rank].last_seen = now
                 self._message(rank, event[2])
-
-    def _rank_of(self, channel):
-        for rank, host in self._hosts.items():
-            if host.channel is channel:
-                return rank
-        return None
 
     def _join(self, channel, message, now):
         rank = message.get("rank")
@@ -554,7 +612,7 @@ class RendezvousServer:
                 pass
             channel.close(finish=True)
             return
-        error, retry = self._join_error(rank, message)
+        error, retry = self._hosts.refusal(rank, message)
         if error is not None:
             _say(
                 self.output,
@@ -569,9 +627,7 @@ class RendezvousServer:
                 pass
             channel.close(finish=True)
             return
-        self._refused.pop(rank, None)
-        host = _Host(channel, message, now)
-        self._hosts[rank] = host
+        host = self._hosts.admit(rank, channel, message, now)
         self._last_join = now
         _say(
             self.output,
@@ -579,33 +635,6 @@ class RendezvousServer:
             f"{host.address} with {len(host.slots)} worker(s)",
         )
         self._send(rank, {"type": "welcome"})
-
-    def _join_error(self, rank, message):
-        """`(why a join is refused, whether the host may retry)`; `(None,
-        False)` for a welcome join."""
-        if (
-            isinstance(rank, bool)
-            or not isinstance(rank, int)
-            or not 0 <= rank < self.max_hosts
-        ):
-            return (
-                "Invalid value for argument `node_rank`. Received: "
-                f"node_rank={rank!r}. Expected a rank in "
-                f"[0, {self.max_hosts - 1}] (--nnodes {self._count()})."
-            ), False
-        error = policy.job_mismatch(
-            self.job, message.get("job") or {}, rank=rank
-        )
-        if error is not None:
-            self._refused[rank] = error
-            return error, False
-        if rank in self._hosts:
-            return (
-                f"Host rank {rank} is already in the group (from "
-                f"{self._hosts[rank].address}): each host needs its own "
-                "--node-rank."
-            ), True
-        return None, False
 
     def _message(self, rank, message):
         kind = message["type"]
@@ -712,17 +741,7 @@ class RendezvousServer:
             f"({len(self._hosts)} joined: {sorted(self._hosts)}; at least "
             f"{self.min_hosts} needed)."
         )
-        for rank in missing:
-            if rank in self._refused:
-                message += (
-                    f" Host rank {rank} was refused: {self._refused[rank]}"
-                )
-        if self._wrong_token:
-            message += (
-                f" {len(self._wrong_token)} connection(s) were refused for a "
-                f"wrong token (from {sorted(set(self._wrong_token))})."
-            )
-        return message
+        return message + self._hosts.refusals(missing)
 
     def _start_round(self):
         try:
