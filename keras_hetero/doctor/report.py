@@ -12,6 +12,9 @@ import dataclasses
 import json
 import math
 
+import numpy as np
+
+from keras_hetero.balancing import core
 from keras_hetero.training import clock_check
 
 # The same thresholds as the online trust check during `fit`.
@@ -243,16 +246,20 @@ def suggest_shares(speeds):
     >>> suggest_shares([3.0, 1.0])
     (0.75, 0.25)
     """
-    speeds = [
-        s if s is not None and math.isfinite(s) and s > 0 else 0.0
-        for s in speeds
-    ]
     if not speeds:
         return ()
-    total = sum(speeds)
-    if total <= 0:
-        speeds, total = [1.0] * len(speeds), float(len(speeds))
-    shares = [round(s / total, 4) for s in speeds]
+    # The rebalancer's rule (`balancing.core.balanced_shares`), unbounded:
+    # a device without a positive, finite speed gets no share.
+    seconds_per_row = np.array(
+        [
+            1.0 / s if s is not None and math.isfinite(s) and s > 0 else np.nan
+            for s in speeds
+        ]
+    )
+    if np.isnan(seconds_per_row).all():
+        seconds_per_row[:] = 1.0
+    exact = core.balanced_shares(seconds_per_row, np.zeros(len(speeds)), 1)
+    shares = [round(float(s), 4) for s in exact]
     # The rounding remainder goes to the largest share, so they sum to 1.
     largest = max(range(len(shares)), key=shares.__getitem__)
     shares[largest] = round(1.0 - sum(shares) + shares[largest], 4)
