@@ -13,6 +13,7 @@ import keras_hetero as kh
 from keras_hetero import _compat
 from keras_hetero import checkpointing
 from keras_hetero._compat import keras
+from keras_hetero.checkpointing import record
 from tests.support import helpers
 from tests.support import order_workers
 
@@ -634,14 +635,14 @@ def test_checkpoint_without_a_recorded_mechanism_resumes_like_before(
 ):
     # A checkpoint written before checkpoints recorded the mechanism: then
     # `shuffle=True` over tf.data examples took a buffer of the pass.
-    state = kh.callbacks.ElasticCheckpoint._state
+    state = record.state
 
-    def unrecorded(self, *args):
-        written = state(self, *args)
+    def unrecorded(*args, **kwargs):
+        written = state(*args, **kwargs)
         assert written.pop("shuffle_mechanism") == "buffer of the pass"
         return written
 
-    monkeypatch.setattr(kh.callbacks.ElasticCheckpoint, "_state", unrecorded)
+    monkeypatch.setattr(record, "state", unrecorded)
     data = kh.data.shard(
         helpers.without_random_access(_examples()), BATCH, shuffle=True, seed=3
     )
