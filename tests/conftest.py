@@ -24,31 +24,3 @@ def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     yield
     keras.mixed_precision.set_global_policy("float32")
-
-
-# The files with the longest runs (measured: `make test`'s --durations),
-# longest first. `make test` gives whole files to two xdist workers in
-# collection order; starting with the longest keeps one worker from
-# running a long file alone at the end (longest-processing-time first).
-LONGEST_FILES = (
-    "tests/checkpointing/test_elastic_processes.py",
-    "tests/training/test_parameter_server.py",
-    "tests/project/test_examples.py",
-    "tests/spark/test_spark.py",
-    "tests/launcher/test_hosts.py",
-    "tests/training/test_multi_worker.py",
-    "tests/launcher/test_warm.py",
-    "tests/project/test_quickstart.py",
-    "tests/training/test_keras_callbacks.py",
-    "tests/training/test_steps_per_execution.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        path = item.nodeid.split("::")[0]
-        if path in LONGEST_FILES:
-            return LONGEST_FILES.index(path)
-        return len(LONGEST_FILES)
-
-    items.sort(key=rank)  # stable: each file keeps its own order
