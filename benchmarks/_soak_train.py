@@ -13,7 +13,9 @@ that all of them have read it before they get there, so they all stop at
 the same step). Worker 0 appends one JSON line per step to
 `<out>/attempt<KERAS_HETERO_RESTART>.jsonl` (the global step and the
 seconds from the step's start to its end) and, at the end, saves the
-weights to `<out>/final.npz`.
+weights to `<out>/final.npz`. Every worker keeps an exactly-once ledger
+in `<out>/ledger/` (`kh.testing.Ledger`: the example ids each step
+trained), which the soak reads at the end.
 """
 
 import argparse
@@ -28,7 +30,7 @@ import numpy as np  # noqa: E402
 import keras_hetero as kh  # noqa: E402
 from keras_hetero import keras  # noqa: E402
 
-ROWS = 64 * 1024  # one epoch is ROWS / --batch steps
+ROWS = 64 * 1024  # --rows: one epoch is rows / --batch steps
 
 
 def _stop_step(args):
@@ -50,6 +52,7 @@ def main():
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=ROWS)
     args = parser.parse_args()
     multi_worker = "TF_CONFIG" in os.environ
     kh.testing.logical_cpus(1)
@@ -65,26 +68,35 @@ def main():
     # float64: the rounding differences between all-reduce orders (two
     # workers, one, one device) stay far below the comparison's tolerance,
     # where a step lost or trained twice would not.
-    keras.config.set_floatx("float64")
+    keras.backend.set_floatx("float64")  # both flavours
     keras.utils.set_random_seed(1)
+    # The ledger first among the callbacks: a step is in it before a
+    # checkpoint holds it.
+    ledger = kh.testing.Ledger(os.path.join(args.out, "ledger"))
     with strategy.scope():
-        inputs = keras.Input((64,))
-        hidden = keras.layers.Dense(args.width, activation="relu")(inputs)
+        inputs = keras.Input((64,), name="x")
+        ids = keras.Input((), dtype="int64", name="id")
+        recorded = kh.testing.RecordIds(ledger)([inputs, ids])
+        hidden = keras.layers.Dense(args.width, activation="relu")(recorded)
         hidden = keras.layers.Dense(args.width, activation="relu")(hidden)
-        model = kh.HeteroModel(inputs, keras.layers.Dense(10)(hidden))
+        model = kh.HeteroModel(
+            {"x": inputs, "id": ids}, keras.layers.Dense(10)(hidden)
+        )
         model.compile(
             optimizer=keras.optimizers.SGD(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, 64))
+    x = rng.normal(size=(args.rows, 64))
     # Labels a fixed linear map of x gives: a task the MLP learns, where
     # plain SGD converges (on random labels, with Adam, rounding
     # differences grow over thousands of steps).
     teacher = rng.normal(size=(64, 10))
     y = np.argmax(x @ teacher, axis=1).astype("int32")
     data = kh.data.shard(
-        tf.data.Dataset.from_tensor_slices((x, y)),
+        tf.data.Dataset.from_tensor_slices(
+            ({"x": x, "id": np.arange(args.rows)}, y)
+        ),
         args.batch,
         strategy=strategy,
         shuffle=True,
@@ -111,10 +123,10 @@ def main():
             if stop and step >= stop:
                 self.model.stop_training = True
 
-    callbacks = [Soak()]
+    callbacks = [ledger, Soak()]
     if args.ckpt:
         callbacks.insert(
-            0,
+            1,
             kh.callbacks.ElasticCheckpoint(
                 args.ckpt, save_every=args.save_every
             ),

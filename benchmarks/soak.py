@@ -30,9 +30,14 @@ attempts, the step an attempt reached minus the step the next one resumed
 from); goodput (the summed step times of the steps that count, each the
 time from the step's start to its end on worker 0, over the wall time from
 the launchers' start to the job's end: startup, compilation, restarts,
-checkpoint saves and lost steps all count against it); and whether the
-final weights equal the uninterrupted run's (`np.allclose`, rtol 1e-5), with
-the largest absolute difference.
+checkpoint saves and lost steps all count against it); the exactly-once
+ledger (`kh.testing.read_ledger` over every worker's record of the example
+ids each step trained, the attempts merged): examples missing from or
+trained twice in an epoch, over the finished epochs (the last one, cut by
+the stop, is checked for repeats only); and whether the final weights
+equal the uninterrupted run's (`np.allclose`, rtol 1e-5), with the largest
+absolute difference. A ledger that is not exactly once fails the soak
+(exit 1) after the table.
 
     python benchmarks/soak.py [--minutes 30] [--every 20 60] [--seed 0]
 """
@@ -59,7 +64,9 @@ from _harness import load_at_end
 from _harness import markdown_table
 from _harness import parse_args
 from _harness import smoke_parser
+from _soak_train import ROWS
 
+from keras_hetero import testing
 from keras_hetero.launcher import timing
 
 TRAIN = str(pathlib.Path(__file__).resolve().parent / "_soak_train.py")
@@ -211,6 +218,8 @@ class _Job:
             str(args.width),
             "--batch",
             str(args.batch),
+            "--rows",
+            str(args.rows),
         ]
         self.launchers[rank] = subprocess.Popen(
             command,
@@ -361,6 +370,8 @@ def _reference(folder, args, steps, timeout):
             str(args.width),
             "--batch",
             str(args.batch),
+            "--rows",
+            str(args.rows),
         ],
         env=env,
         check=True,
@@ -379,6 +390,9 @@ def run(args):
         job.close()
         phases = job.restart_phases()
         restarts, lost, useful, steps = _accounting(_records(job.out))
+        ledger = testing.read_ledger(
+            os.path.join(job.out, "ledger"), ids=range(args.rows)
+        )
         final = _weights(os.path.join(job.out, "final.npz"))
         # The reference trains the committed steps once, on one process;
         # a step there costs less than under the launcher.
@@ -406,16 +420,29 @@ def run(args):
             row += [len(seconds), f"{median:.2f}", f"{most:.2f}"]
         phase_rows.append(row)
     phase_rows.sort(key=lambda row: timing.PHASES.index(row[0]))
-    return phase_rows, [
-        f"{args.minutes:g}",
-        f"{kills['worker'] + kills['host']} "
-        f"({kills['worker']}/{kills['host']})",
-        restarts,
-        steps,
-        lost,
-        f"{100 * useful / wall:.0f}% ({useful:.0f} of {wall:.0f} s)",
-        f"{'yes' if equal else 'no'} (max abs diff {largest:.1e})",
-    ]
+    return (
+        phase_rows,
+        [
+            f"{args.minutes:g}",
+            f"{kills['worker'] + kills['host']} "
+            f"({kills['worker']}/{kills['host']})",
+            restarts,
+            steps,
+            lost,
+            f"{100 * useful / wall:.0f}% ({useful:.0f} of {wall:.0f} s)",
+            _ledger_cell(ledger),
+            f"{'yes' if equal else 'no'} (max abs diff {largest:.1e})",
+        ],
+        ledger,
+    )
+
+
+def _ledger_cell(ledger):
+    count = lambda found: sum(map(len, found.values()))  # noqa: E731
+    return (
+        f"{count(ledger.missing)} / {count(ledger.duplicated)} "
+        f"({len(ledger.finished)} epochs)"
+    )
 
 
 def _print_phases(phase_rows):
@@ -474,6 +501,9 @@ def main():
     )
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument(
+        "--rows", type=int, default=ROWS, help="examples per epoch"
+    )
     # One worker kill 10 to 12 s in, then the job stops.
     args = parse_args(
         parser,
@@ -483,6 +513,7 @@ def main():
         save_every=10,
         width=32,
         batch=64,
+        rows=64 * 20,  # 20 steps per epoch: the ledger sees whole epochs
     )
     # SIGTERM as Ctrl-C: the soak's `finally` kills the job, removes its
     # folder.
@@ -491,7 +522,8 @@ def main():
         header(
             "Soak: kills under keras-hetero run",
             f"2 hosts on 127.0.0.1 (--nnodes 1:2, 1 worker each), MLP width "
-            f"{args.width}, global batch {args.batch}, checkpoint every "
+            f"{args.width}, {args.rows} examples in global batches of "
+            f"{args.batch}, checkpoint every "
             f"{args.save_every} steps, a kill every {args.every[0]:g}-"
             f"{args.every[1]:g} s (seed {args.seed}, host share "
             f"{args.host_share:g}), restarts "
@@ -499,7 +531,7 @@ def main():
         ),
         flush=True,
     )
-    phase_rows, row = run(args)
+    phase_rows, row, ledger = run(args)
     print()
     if phase_rows:
         _print_phases(phase_rows)
@@ -515,12 +547,17 @@ def main():
                 "steps",
                 "steps lost",
                 "goodput",
+                "ledger: missing / duplicated",
                 "final weights equal uninterrupted",
             ],
             [row],
         )
     )
     print(load_at_end())
+    try:
+        ledger.assert_exactly_once()
+    except AssertionError as error:
+        sys.exit(f"The ledger is not exactly once:\n{error}")
 
 
 if __name__ == "__main__":

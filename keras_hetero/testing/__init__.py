@@ -10,7 +10,9 @@ with a Linux cgroup (`CpuQuota`, `ThrottleCompute`, `ThrottleAt`; root
 only), so a capped worker really computes slower. `emulated_fleet` is a
 test seam: workers describe their devices as a given fleet's (an "A100", a
 "T4"), so cluster-wide decisions such as precision "auto" run as on that
-fleet.
+fleet. `Ledger` records the example ids each train step trained, per
+worker and attempt; `read_ledger` merges a restarted run's and checks every
+epoch trained every example exactly once.
 """
 
 from keras_hetero.testing.cpu_quota import CpuQuota
@@ -21,6 +23,11 @@ from keras_hetero.testing.cpu_quota import throttle_compute_threads
 from keras_hetero.testing.devices import logical_cpus
 from keras_hetero.testing.devices import mirrored
 from keras_hetero.testing.fleet import emulated_fleet
+from keras_hetero.testing.ledger import Ledger
+from keras_hetero.testing.ledger import LedgerReport
+from keras_hetero.testing.ledger import RecordIds
+from keras_hetero.testing.ledger import ledger_key
+from keras_hetero.testing.ledger import read_ledger
 from keras_hetero.testing.network import NetworkHosts
 from keras_hetero.testing.network import network_available
 from keras_hetero.testing.simulated_speed import SimulatedSpeed
@@ -32,7 +39,10 @@ from keras_hetero.testing.workers import run_workers
 
 __all__ = [
     "CpuQuota",
+    "Ledger",
+    "LedgerReport",
     "NetworkHosts",
+    "RecordIds",
     "SimulatedSpeed",
     "StepTimer",
     "ThrottleAt",
@@ -42,9 +52,11 @@ __all__ = [
     "cpu_quota_available",
     "emulated_fleet",
     "free_ports",
+    "ledger_key",
     "logical_cpus",
     "mirrored",
     "network_available",
+    "read_ledger",
     "run_workers",
     "throttle_compute_threads",
 ]

@@ -39,14 +39,21 @@ SCRIPT = os.path.join(
 ROWS, BATCH, STEPS_PER_EPOCH = 80, 8, 10
 
 
+def _step_records(path):
+    """The per-step lines of one ledger file (`kh.testing.Ledger`), or []."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.endswith("\n")]
+    return [record for record in records if "ids" in record]
+
+
 def _records(out, attempt):
     """{step: ids of all workers} of one attempt."""
     steps = {}
     for path in glob.glob(os.path.join(out, f"attempt{attempt}-worker*.jsonl")):
-        with open(path) as f:
-            for line in f:
-                record = json.loads(line)
-                steps.setdefault(record["step"], []).extend(record["ids"])
+        for record in _step_records(path):
+            steps.setdefault(record["step"], []).extend(record["ids"])
     return steps
 
 
@@ -65,23 +72,20 @@ def _restored_step(out):
     return min(second) - 1
 
 
-def _committed_attempts(out):
+def _committed_attempts(out, rows=ROWS):
     """Ids per step of a run restarted any number of times, and the step
-    each attempt started after: attempt k counts up to the step attempt
-    k + 1 restored, the last one to its end."""
-    attempts = len(glob.glob(os.path.join(out, "attempt*-worker0.jsonl")))
-    records = [_records(out, attempt) for attempt in range(attempts)]
-    restored = [0] + [min(steps) - 1 for steps in records[1:]]
-    committed = {}
-    for attempt, steps in enumerate(records):
-        last = restored[attempt + 1] if attempt + 1 < attempts else np.inf
-        for step, ids in steps.items():
-            if restored[attempt] < step <= last:
-                committed[step] = ids
-    return committed, restored
+    each attempt started after, from the run's exactly-once ledger
+    (`kh.testing.read_ledger`: attempt k counts up to the step attempt
+    k + 1 restored), which must show every epoch it finished trained on
+    every example exactly once."""
+    report = kh.testing.read_ledger(out, ids=range(rows))
+    print(report.summary())
+    report.assert_exactly_once()
+    assert report.finished == sorted(report.epochs), report.summary()
+    return report.steps, report.restored
 
 
-def _assert_exactly_once(steps, epochs=2):
+def _assert_exactly_once(steps, epochs=2, rows=ROWS):
     assert sorted(steps) == list(range(1, epochs * STEPS_PER_EPOCH + 1))
     for epoch in range(epochs):
         ids = []
@@ -89,7 +93,7 @@ def _assert_exactly_once(steps, epochs=2):
             epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1
         ):
             ids += steps[step]
-        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
+        assert sorted(ids) == list(range(rows)), f"epoch {epoch}"
 
 
 def _assert_same_batches(steps, expected):

@@ -599,10 +599,7 @@ def _train_args(out, ckpt, *more):
 
 def _steps(out, attempt):
     path = os.path.join(out, f"attempt{attempt}-worker0.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        return sum(1 for line in f if line.strip())
+    return len(elastic._step_records(path))
 
 
 def _wait_until(condition, what, hosts_, seconds=180):

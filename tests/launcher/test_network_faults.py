@@ -66,10 +66,7 @@ class _Log:
 
 def _last_step(out, attempt, worker):
     path = os.path.join(out, f"attempt{attempt}-worker{worker}.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+    lines = elastic._step_records(path)
     return lines[-1]["step"] if lines else 0
 
 
@@ -265,8 +262,8 @@ def test_cut_longer_than_the_timeout_names_the_worker_and_restarts(
     assert all(codes[w] != 0 for w in survivors), codes
     assert StragglerDetector.HANG_EXIT_CODE in codes[: len(survivors)], codes
     resumed, _ = log.first("[launcher] attempt 1:")
-    with open(os.path.join(out, "attempt1-worker0.jsonl")) as f:
-        first = json.loads(f.readline())
+    path = os.path.join(out, "attempt1-worker0.jsonl")
+    first = elastic._step_records(path)[0]
     print(
         f"{hosts} hosts, cut worker {cut} at step >= 6: "
         + "; ".join(
@@ -383,8 +380,8 @@ def test_slow_link_is_reported_as_communication_not_a_slow_device(
         # The compute did not change: no replica is a straggler, and the
         # rebalancer (which sizes shares by compute) kept them equal.
         assert balance["stragglers"] == [], balance
-        with open(os.path.join(out, f"attempt0-worker{worker}.jsonl")) as f:
-            steps = [json.loads(line) for line in f]
+        path = os.path.join(out, f"attempt0-worker{worker}.jsonl")
+        steps = elastic._step_records(path)
         seen = [(s["step"], s["rows"], s["compute"], s["call"]) for s in steps]
         np.testing.assert_allclose(
             balance["shares"],

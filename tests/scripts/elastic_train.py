@@ -1,9 +1,9 @@
 """A training script for the ElasticCheckpoint / launcher tests.
 
 Run by `keras-hetero run` (MultiWorkerMirroredStrategy from TF_CONFIG) or
-directly (MirroredStrategy over two logical CPUs). Appends one JSON line per
-train step to `<out>/attempt<restart>-worker<task>.jsonl` with the global
-step and the example ids this worker's replicas trained on, and can kill or
+directly (MirroredStrategy over two logical CPUs). Keeps an exactly-once
+ledger (`kh.testing.Ledger`) in `<out>`: per train step, the global step
+and the example ids this worker's replicas trained on, and can kill or
 signal itself: at the k-th step of `--fault-at` in attempt k (restarts are
 counted by KERAS_HETERO_RESTART), so one launcher job is killed several
 times. `--input` picks the input kind (tests/support/elastic_inputs.py).
@@ -108,7 +108,20 @@ def main():
     restart = args.attempt
     if restart is None:
         restart = int(os.environ.get("KERAS_HETERO_RESTART", "0"))
-    seen = []
+
+    def extra(step, logs):
+        record = {"loss": float(logs.get("loss", float("nan")))}
+        record["time"] = time.time()
+        if args.balance:
+            stats = model.step_stats
+            record["compute"] = [float(v) for v in stats.compute_seconds]
+            record["call"] = stats.call_seconds
+            record["rows"] = [int(v) for v in stats.rows]
+        return record
+
+    ledger = kh.testing.Ledger(
+        args.out, attempt=restart, worker=task, extra=extra
+    )
     if args.input == "augment" and _compat.IS_LEGACY:
         # tf-keras' random layers draw with stateful TF1 ops by default,
         # whose state is inside the op kernel (no checkpoint can hold it);
@@ -126,7 +139,7 @@ def main():
         )
     with strategy.scope():
         model = helpers.id_model(
-            seen,
+            ledger,
             # --balance: equal simulated speeds (2 ms per row), so the
             # compute the rebalancer reads is more than scheduler noise.
             [0.004, 0.0005] if args.rebalance else 0.002 * args.balance,
@@ -137,27 +150,10 @@ def main():
     prefix = os.path.join(args.out, f"attempt{restart}-worker{task}")
     if restart == 0 and task == 0:
         np.savez(prefix + "-initial.npz", *model.get_weights())
-    records = open(prefix + ".jsonl", "a", buffering=1)
 
-    class Record(keras.callbacks.Callback):
+    class Fault(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
-            loss = float((logs or {}).get("loss", float("nan")))
-            record = {
-                "step": step,
-                "ids": list(seen),
-                "loss": loss,
-                "time": time.time(),
-            }
-            if args.balance:
-                stats = model.step_stats
-                record["compute"] = [float(v) for v in stats.compute_seconds]
-                record["call"] = stats.call_seconds
-                record["rows"] = [int(v) for v in stats.rows]
-            records.write(json.dumps(record) + "\n")
-            records.flush()
-            os.fsync(records.fileno())
-            seen.clear()
             if args.step_seconds:
                 time.sleep(args.step_seconds)
             if (
@@ -182,7 +178,8 @@ def main():
         async_save=not args.sync_save,
         resize=args.resize,
     )
-    callbacks = [ckpt, Record()]
+    # The ledger first: a step is in it before a checkpoint holds it.
+    callbacks = [ledger, ckpt, Fault()]
     detector = None
     if timeouts is not None:
         detector = kh.callbacks.StragglerDetector(

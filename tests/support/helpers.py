@@ -107,25 +107,6 @@ def mirrored(devices):
     return kh.testing.mirrored(devices)
 
 
-class RecordIds(keras.layers.Layer):
-    """Identity on x; appends the example ids it sees to `seen` (test only)."""
-
-    def __init__(self, seen, **kwargs):
-        super().__init__(**kwargs)
-        object.__setattr__(self, "seen", seen)  # not a Keras-tracked copy
-
-    def call(self, inputs):
-        x, ids = inputs
-
-        def record(values):
-            self.seen.extend(np.rint(values).astype(np.int64).tolist())
-            return np.float32(0.0)
-
-        zero = tf.numpy_function(record, [ids], tf.float32)
-        zero.set_shape([])
-        return x + zero
-
-
 def id_model(
     seen,
     seconds_per_row,
@@ -135,7 +116,8 @@ def id_model(
     **kwargs,
 ):
     """A HeteroModel over {"x", "id"} inputs that records the ids it trains
-    on; build inside the strategy scope. `augment`: layers applied to x
+    on in `seen` (a list or a `kh.testing.Ledger`); build inside the
+    strategy scope. `augment`: layers applied to x
     first (random augmentation); `kwargs`: HeteroModel's."""
     x_in = keras.Input((FEATURES,), name="x")
     id_in = keras.Input((), dtype="int64", name="id")
@@ -143,7 +125,7 @@ def id_model(
     for layer in augment:
         features = layer(features)
     slow = kh.testing.SimulatedSpeed(seconds_per_row)(features)
-    recorded = RecordIds(seen)([slow, id_in])
+    recorded = kh.testing.RecordIds(seen)([slow, id_in])
     model = kh.HeteroModel(
         {"x": x_in, "id": id_in}, keras.layers.Dense(1)(recorded), **kwargs
     )

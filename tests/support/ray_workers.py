@@ -5,10 +5,10 @@ as a script (`python ray_workers.py CONFIG_JSON`), the launcher's worker:
 HeteroModel over 80 examples, global batch 8 (10 steps per epoch), with
 ShardRebalancer and StragglerDetector on replicas simulated at different
 speeds, and an ElasticCheckpoint (`kh.ray.ElasticCheckpoint` under Ray).
-Appends one JSON line per train step to
-`<out>/attempt<a>-worker<task>.jsonl` with the global step and the example
-ids this worker trained on; attempt 1 is any start that resumed from a
-checkpoint. Worker 0 writes the final weights and what the callbacks saw.
+Keeps an exactly-once ledger in `<out>` (`kh.testing.Ledger`: per train
+step, the example ids this worker trained on); attempt 1 is any start that
+resumed from a checkpoint. Worker 0 writes the final weights and what the
+callbacks saw.
 
 Config keys: `out` (required), `mode` ("ray" or "launcher"), `ckpt`
 (launcher), `epochs` (2), `save_every` (2), `fault_at` (0: worker 1 kills
@@ -50,7 +50,7 @@ def train(config):
         checkpoint = kh.callbacks.ElasticCheckpoint(
             config["ckpt"], save_every=config.get("save_every", 2)
         )
-    seen = []
+    ledger = kh.testing.Ledger(config["out"], attempt=attempt, worker=task)
     keras.utils.set_random_seed(1)
     low_communication = {}
     if config.get("sync_every"):
@@ -60,23 +60,18 @@ def train(config):
         )
     with strategy.scope():
         model = helpers.id_model(
-            seen, list(SECONDS_PER_ROW), **low_communication
+            ledger, list(SECONDS_PER_ROW), **low_communication
         )
     out = config["out"]
     os.makedirs(out, exist_ok=True)
     prefix = os.path.join(out, f"attempt{attempt}-worker{task}")
     if attempt == 0 and task == 0:
         np.savez(prefix + "-initial.npz", *model.get_weights())
-    records = open(prefix + ".jsonl", "a", buffering=1)
     fault_at, stop_after = config.get("fault_at", 0), config.get("stop_after")
 
-    class Record(keras.callbacks.Callback):
+    class Fault(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step = int(model.optimizer.iterations.numpy())
-            records.write(json.dumps({"step": step, "ids": list(seen)}) + "\n")
-            records.flush()
-            os.fsync(records.fileno())
-            seen.clear()
             if attempt == 0 and task == 1 and step == fault_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == stop_after:
@@ -95,10 +90,11 @@ def train(config):
         # rows: the measured (timing-dependent) shares would differ between
         # two runs, so those runs keep equal shares.
         callbacks=[
+            ledger,  # first: a step is in it before a checkpoint holds it
             *([] if config.get("sync_every") else [rebalancer]),
             detector,
             checkpoint,
-            Record(),
+            Fault(),
         ],
     )
     if task == 0:
