@@ -297,6 +297,12 @@ class _Job:
         return "\n".join(text)
 
 
+def _check_not_crash_looping(job, kills):
+    """Raises if the job restarted far more often than it was killed."""
+    if job.attempts() > 3 * (kills["worker"] + kills["host"]) + 3:
+        raise RuntimeError("The job restarts without kills:\n" + job.tail())
+
+
 def _soak(job, args, rng):
     """Runs the job with kills for `args.minutes`, stops it; returns the
     kills by kind and the wall seconds."""
@@ -314,8 +320,7 @@ def _soak(job, args, rng):
             raise RuntimeError(
                 "Rank 0's launcher exited during the soak:\n" + job.tail()
             )
-        if job.attempts() > 3 * (kills["worker"] + kills["host"]) + 3:
-            raise RuntimeError("The job restarts without kills:\n" + job.tail())
+        _check_not_crash_looping(job, kills)
         if host_back is not None and now >= host_back:
             job.start(1)
             host_back = None
@@ -338,10 +343,15 @@ def _soak(job, args, rng):
     with open(job.stop_file + ".tmp", "w") as f:
         f.write(str(stop))
     os.replace(job.stop_file + ".tmp", job.stop_file)
-    try:
-        code = job.launchers[0].wait(timeout=SLACK_SECONDS)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError("The job did not stop:\n" + job.tail()) from None
+    stop_by = time.monotonic() + SLACK_SECONDS
+    while job.launchers[0].poll() is None:
+        # A job whose every attempt dies at its start fails here, not
+        # after the slack.
+        _check_not_crash_looping(job, kills)
+        if time.monotonic() > stop_by:
+            raise RuntimeError("The job did not stop:\n" + job.tail())
+        time.sleep(0.5)
+    code = job.launchers[0].returncode
     wall = time.monotonic() - started
     if code != 0:
         raise RuntimeError(f"Rank 0's launcher exited {code}:\n" + job.tail())
