@@ -15,6 +15,12 @@ Callbacks that keep state across a restart implement `get_state` and
 `set_state` (plain data); `ElasticCheckpoint` saves the state of every
 `HeteroCallback` whose `get_state` returns something, keyed by
 `checkpoint_key`, and hands it back after a restart.
+
+Settings that decide when workers communicate or what they train (a
+rebalancing interval, a save schedule) are named in `agreed_settings`: a
+multi-worker `fit` compares them between the workers before the first
+step (`keras_hetero.training.agreement`), with which of these callbacks
+each worker has (callbacks without such settings may differ).
 """
 
 import dataclasses
@@ -62,6 +68,11 @@ class HeteroCallback(keras.callbacks.Callback):
         changes_shares: Whether the callback changes the dataset's shares
             during training (class attribute; True for `ShardRebalancer`:
             `fit` warns about per-replica batch statistics then).
+        agreed_settings: The names of the attributes that must be equal on
+            every worker of a job (class attribute; a difference would hang
+            a collective or train the workers apart): a multi-worker `fit`
+            raises before the first step, naming the setting and each
+            worker's value, if they differ or a worker lacks the callback.
 
     Example:
 
@@ -73,6 +84,7 @@ class HeteroCallback(keras.callbacks.Callback):
     stage = "input"
     needs_data_position = False
     changes_shares = False
+    agreed_settings = ()
 
     def prepare_fit(self, context):
         """Called by `HeteroModel.fit` before training.
@@ -147,6 +159,23 @@ def prepare_fit(model, fit_input, callbacks, fit_kwargs):
         undo()
         raise
     return undo
+
+
+def agreed_settings(callbacks):
+    """`{"callbacks": sorted class names, "<Class>.<setting>": value}` of
+    the `HeteroCallback`s among `callbacks` that name `agreed_settings`
+    (observers such as a report writer may run on one worker only)."""
+    ours = [
+        c
+        for c in callbacks or ()
+        if isinstance(c, HeteroCallback) and c.agreed_settings
+    ]
+    values = {"callbacks": sorted(type(c).__name__ for c in ours)}
+    for callback in ours:
+        for name in callback.agreed_settings:
+            key = f"{type(callback).__name__}.{name}"
+            values[key] = getattr(callback, name)
+    return values
 
 
 def observers_last(callbacks):

@@ -169,6 +169,18 @@ class ShardRebalancer(base.HeteroCallback):
 
     stage = "input"
     changes_shares = True
+    # Every worker decides the same shares at the same steps from the same
+    # readings: these decide which and when.
+    agreed_settings = (
+        "every_n_steps",
+        "warmup_steps",
+        "window",
+        "min_share",
+        "max_rows",
+        "tolerance",
+        "lag",
+        "trust_every_n_steps",
+    )
 
     def prepare_fit(self, context):
         """Takes `fit`'s input when made without a dataset (the

@@ -131,6 +131,15 @@ class ElasticCheckpoint(base.HeteroCallback):
     PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect
     stage = "restore"  # after the callbacks that attach to the input
     needs_data_position = True
+    # The workers save and stop together, at steps these decide.
+    agreed_settings = (
+        "save_every",
+        "mtbf",
+        "async_save",
+        "resize",
+        "exit_on_signal",
+        "approximate_resume",
+    )
 
     def __init__(
         self,

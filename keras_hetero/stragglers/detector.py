@@ -121,6 +121,20 @@ class StragglerDetector(base.HeteroCallback):
 
     HANG_EXIT_CODE = _environment.HANG_EXIT_CODE
 
+    # Every worker scores the same readings and acts (rebalance, save,
+    # stop, abort on a hang) at the same steps: these decide which and when.
+    agreed_settings = (
+        "threshold",
+        "relative_threshold",
+        "patience",
+        "min_excess_seconds",
+        "actions",
+        "window",
+        "hang_timeout",
+        "abort_on_hang",
+        "probe_links",
+    )
+
     def __init__(
         self,
         threshold=0.7,

@@ -2,14 +2,15 @@
 trains with the same settings (`keras_hetero._agreement` exchanges them).
 
 Under MultiWorkerMirroredStrategy across workers, each worker computes the
-fingerprint below from its own model, settings and input; one all-gather
-of a fixed shape hands every worker all of them; a difference raises the
-same error on every worker before the first step, naming the setting, the
-workers and their values. Settings that differ would otherwise hang a
-collective (a different `steps_per_execution` or bucket size) or fail in
-one (a different global batch or weight shape), or train differently
-without a word (a different optimizer setting or shuffle seed). Under any
-other strategy there is nothing to exchange and nothing runs.
+fingerprint below from its own model, settings, callbacks and input; one
+all-gather of a fixed shape hands every worker all of them; a difference
+raises the same error on every worker before the first step, naming the
+setting, the workers and their values. Settings that differ would
+otherwise hang a collective (a different `steps_per_execution`, bucket
+size or save schedule) or fail in one (a different global batch or weight
+shape), or train differently without a word (a different optimizer
+setting, shuffle seed or rebalancing interval). Under any other strategy
+there is nothing to exchange and nothing runs.
 """
 
 import json
@@ -17,6 +18,7 @@ import json
 import tensorflow as tf
 
 from keras_hetero import _agreement
+from keras_hetero import _callback_protocol
 from keras_hetero import _compat
 from keras_hetero import devices as devices_lib
 from keras_hetero import precision as precision_lib
@@ -31,8 +33,15 @@ _FIT_ARGUMENTS = ("epochs", "initial_epoch", "steps_per_epoch")
 
 def fit_arguments(kwargs):
     """The `fit` arguments that decide how many steps run, as given (take
-    them before `fit` fills in defaults that follow other settings)."""
-    return {name: kwargs.get(name) for name in _FIT_ARGUMENTS}
+    them before `fit` fills in defaults that follow other settings), and
+    the library's callbacks with their settings that must match
+    (`HeteroCallback.agreed_settings`: one worker rebalancing or saving at
+    other steps than the others would hang a collective or move shares on
+    one worker only)."""
+    values = {name: kwargs.get(name) for name in _FIT_ARGUMENTS}
+    callbacks = _callback_protocol.agreed_settings(kwargs.get("callbacks"))
+    values.update({name: _plain(v) for name, v in callbacks.items()})
+    return values
 
 
 def check_fit(model, dataset, arguments):

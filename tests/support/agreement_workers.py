@@ -92,6 +92,16 @@ def mismatched_fits(settings=None):
         "global batch size": (model, lambda: shard(32 * (1 + worker))),
         "shuffle seed": (model, lambda: shard(shuffle=True, seed=1 + worker)),
         "examples": (lazy, lambda: shard(features=5 - worker)),
+        # Settings edited on one host: a rebalancing interval, a callback
+        # only one worker has.
+        "ShardRebalancer.every_n_steps": (model, shard),
+        "callbacks": (model, shard),
+    }
+    callbacks = {
+        "ShardRebalancer.every_n_steps": lambda: [
+            kh.callbacks.ShardRebalancer(every_n_steps=5 * (1 + worker))
+        ],
+        "callbacks": lambda: [kh.callbacks.StragglerDetector()] * worker,
     }
     errors = {}
     compiled_steps_per_execution = None
@@ -102,7 +112,12 @@ def mismatched_fits(settings=None):
             helpers.compile_model(model, steps_per_execution=1 + worker)
             compiled_steps_per_execution = _compat.steps_per_execution(model)
         try:
-            fitted.fit(dataset(), epochs=1, verbose=0)
+            fitted.fit(
+                dataset(),
+                epochs=1,
+                verbose=0,
+                callbacks=callbacks.get(setting, list)(),
+            )
             errors[setting] = None
         except ValueError as error:
             errors[setting] = str(error)

@@ -7,6 +7,7 @@ import pytest
 import keras_hetero as kh
 from keras_hetero import _agreement
 from keras_hetero import devices
+from keras_hetero._compat import keras
 from keras_hetero.training import agreement
 from tests.support import agreement_workers
 from tests.support import helpers
@@ -68,6 +69,20 @@ def test_the_fingerprint_holds_what_must_match():
     assert values["examples"] == ["float32(5,)", "float32(1,)"]
     assert values["weights"].startswith("4 weights, 29 parameters")
     assert values["keras"].startswith(kh.FLAVOUR)
+    # The library's callbacks and what must match of them; Keras' own
+    # callbacks are each worker's business.
+    callbacks = [
+        kh.callbacks.ElasticCheckpoint("unused", save_every=5),
+        keras.callbacks.TerminateOnNaN(),
+        kh.callbacks.ShardRebalancer(every_n_steps=7, max_rows=None),
+    ]
+    given = agreement.fit_arguments({"callbacks": callbacks})
+    assert given["callbacks"] == ["ElasticCheckpoint", "ShardRebalancer"]
+    assert given["ShardRebalancer.every_n_steps"] == 7
+    assert given["ShardRebalancer.max_rows"] is None
+    assert "steps=5" in given["ElasticCheckpoint.save_every"]
+    assert given["ElasticCheckpoint.resize"] == "keep_global_batch"
+    assert agreement.fit_arguments({})["callbacks"] == []
     other = helpers.hetero_model()
     other.optimizer.learning_rate = 0.5
     assert (
@@ -119,6 +134,9 @@ def test_settings_that_differ_raise_on_every_worker_before_step_one():
         # A model built at its first step would take other weight shapes.
         "examples": "examples: worker 0: ['float32(5,)', 'float32(1,)'], "
         "worker 1: ['float32(4,)', 'float32(1,)']",
+        "ShardRebalancer.every_n_steps": "ShardRebalancer.every_n_steps: "
+        "worker 0: 5, worker 1: 10",
+        "callbacks": "callbacks: worker 0: [], worker 1: ['StragglerDetector']",
     }
     if kh.FLAVOUR == "tf-keras":
         # tf-keras keeps `steps_per_execution` in a variable, whose initial
