@@ -448,11 +448,8 @@ def run(args):
 
 
 def _ledger_cell(ledger):
-    count = lambda found: sum(map(len, found.values()))  # noqa: E731
-    return (
-        f"{count(ledger.missing)} / {count(ledger.duplicated)} "
-        f"({len(ledger.finished)} epochs)"
-    )
+    missing, duplicated, _ = ledger.counts()
+    return f"{missing} / {duplicated} ({len(ledger.finished)} epochs)"
 
 
 def _print_phases(phase_rows):

@@ -120,10 +120,7 @@ class Ledger(keras.callbacks.Callback):
         if attempt is None:
             attempt = int(os.environ.get(_environment.RESTART_ENV, "0"))
         if worker is None:
-            task = _distribute.env_task()
-            # With a chief, workers count after it.
-            after_chief = task.has_chief and task.task_type == "worker"
-            worker = task.task_index + int(after_chief)
+            worker = _distribute.env_task().worker_index
         for name, value in (("attempt", attempt), ("worker", worker)):
             if int(value) < 0:
                 raise ValueError(
@@ -285,16 +282,23 @@ class LedgerReport:
         """Whether no epoch missed, repeated or added an example."""
         return not (self.missing or self.duplicated or self.unexpected)
 
+    def counts(self):
+        """`(missing, duplicated, unexpected)`: ids summed over epochs."""
+        return tuple(
+            sum(len(keys) for keys in found.values())
+            for found in (self.missing, self.duplicated, self.unexpected)
+        )
+
     def summary(self):
         """One line: epochs, steps, and missing / duplicated counts."""
-        count = lambda found: sum(len(keys) for keys in found.values())  # noqa: E731
+        missing, duplicated, unexpected = self.counts()
         partial = sorted(set(self.epochs) - set(self.finished))
         return (
             f"ledger: {len(self.finished)} finished epoch(s)"
             + (f" and partial epoch(s) {partial}" if partial else "")
             + f", {len(self.steps)} steps, {len(self.restored)} attempt(s): "
-            f"{count(self.missing)} missing, {count(self.duplicated)} "
-            f"duplicated, {count(self.unexpected)} unexpected"
+            f"{missing} missing, {duplicated} duplicated, "
+            f"{unexpected} unexpected"
         )
 
     def assert_exactly_once(self):

@@ -162,6 +162,7 @@ def test_the_reader_names_missing_and_repeated_examples(tmp_path):
     assert not report.exactly_once
     assert report.missing == {1: [8, 9, 10, 11]}
     assert report.duplicated == {1: [4, 5, 6, 7]}
+    assert report.counts() == (4, 4, 0)
     with pytest.raises(AssertionError, match=r"epoch 1: 4 missing: \[8,"):
         report.assert_exactly_once()
 
