@@ -205,7 +205,8 @@ BENCH_RUNS := \
 	"steps_per_execution.py --rounds 9" \
 	"precision.py --rounds 2" \
 	"placement.py" \
-	"input.py"
+	"input.py" \
+	"input_reads.py"
 
 bench: $(STAMP)
 	status=0; for run in $(BENCH_RUNS); do \

@@ -42,6 +42,7 @@ def state(model, dataset, *, position, data_pass, callbacks, names, variables):
         "shuffle_seed": getattr(dataset, "seed", None),
         "shuffle_mechanism": getattr(dataset, "shuffle_mechanism", None),
         "data_pass": data_pass,
+        "input_state": _input_state(dataset, data_pass, examples),
         "callbacks": {
             c.checkpoint_key: _plain(saved)
             for c, saved in ((c, c.get_state()) for c in callbacks)
@@ -52,6 +53,22 @@ def state(model, dataset, *, position, data_pass, callbacks, names, variables):
         "flavour": _compat.FLAVOUR,
         "time": time.time(),
     }
+
+
+def _input_state(dataset, data_pass, examples):
+    """What the dataset needs to resume mid-pass besides the example count
+    (the block queue under `reads="own"`), or None."""
+    input_state = getattr(dataset, "input_state", None)
+    if input_state is None:
+        return None
+    state = input_state(data_pass, examples)
+    if state is None and getattr(dataset, "reads", "all") == "own" and examples:
+        raise RuntimeError(
+            f"The block queue's state after {examples} examples of pass "
+            f"{data_pass} is no longer kept; the checkpoint cannot be "
+            "written exactly."
+        )
+    return state
 
 
 def _learning_rate(optimizer):

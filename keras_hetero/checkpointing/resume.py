@@ -221,6 +221,7 @@ def restore(model, dataset, directory, kwargs, *, resize, checks):
     else:
         if done:
             checks.same_order(path, state, dataset)
+            _resume_reads(path, state, dataset, model)
         data_pass = state.get("data_pass")
         dataset.resume_after(
             done, pass_number=data_pass, seed=state.get("shuffle_seed")
@@ -339,3 +340,36 @@ def local_training(model):
 def _shapes_text(names, shapes, limit=3):
     head = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes[:limit]))
     return head + (", ..." if len(names) > limit else "")
+
+
+def _resume_reads(path, state, dataset, model):
+    """Hands a mid-epoch checkpoint's block queue to a `reads="own"`
+    dataset (`HeteroDataset.resume_input`), after checking that both runs
+    read alike and with as many workers.
+
+    Raises:
+        ValueError: If one run read with `reads="own"` and the other not,
+            or the worker count changed under `reads="own"`.
+    """
+    reads = getattr(dataset, "reads", "all")
+    saved = state.get("input_state")
+    if (saved is not None) != (reads == "own"):
+        raise ValueError(
+            f"Checkpoint {path} was saved mid-epoch by a job that read "
+            f"with reads={'all' if reads == 'own' else 'own'!r}; this one "
+            f"reads with reads={reads!r}, and its global batches are made "
+            "otherwise. Resume with the saved run's `reads`, or from an "
+            "epoch boundary."
+        )
+    if reads != "own":
+        return
+    workers = _distribute.num_workers(model.distribute_strategy)
+    if state["num_workers"] != workers:
+        raise ValueError(
+            f"Checkpoint {path} was saved mid-epoch by "
+            f'{state["num_workers"]} worker(s) reading with reads="own", '
+            f"which deals the epoch's blocks to each worker; this job has "
+            f"{workers}. Resume with as many workers, or from an epoch "
+            "boundary."
+        )
+    dataset.resume_input(saved)

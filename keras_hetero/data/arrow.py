@@ -245,6 +245,18 @@ class _TableSource:
         table = self.table.select(names).slice(skip)
         return table.to_batches(max_chunksize=batch_rows)
 
+    def blocks(self, batch_rows):
+        # A table is in memory: its blocks are slices of `batch_rows` rows.
+        return [
+            (start, min(batch_rows, self.num_rows - start))
+            for start in range(0, self.num_rows, batch_rows)
+        ]
+
+    def read_block(self, block, names):
+        start, rows = block
+        table = self.table.select(names).slice(start, rows)
+        return table.combine_chunks().to_batches()[0], table.nbytes
+
 
 class _ReaderSource:
     def __init__(self, reader):
@@ -256,6 +268,13 @@ class _ReaderSource:
 
     def null_counts(self, names):
         return {}
+
+    def blocks(self, batch_rows):
+        raise ValueError(
+            "A pyarrow.RecordBatchReader has no random access, which "
+            '`reads="own"` needs to read only some of its blocks. Pass the '
+            "files or a pyarrow.Table to `from_arrow` instead."
+        )
 
     def batches(self, skip, names, batch_rows):
         if self._used:
@@ -295,6 +314,30 @@ class _ParquetFile:
             if all(s is not None and s.has_null_count for s in stats):
                 counts[name] = sum(s.null_count for s in stats)
         return counts
+
+    def blocks(self):
+        """`(row group, rows)` of each row group."""
+        metadata = self.metadata
+        return [
+            (group, metadata.row_group(group).num_rows)
+            for group in range(metadata.num_row_groups)
+        ]
+
+    def read_block(self, group, names):
+        """Row group `group`'s columns `names`, and the bytes read (the
+        column chunks' compressed sizes, from the footer)."""
+        metadata = self.metadata.row_group(group)
+        read = sum(
+            metadata.column(index).total_compressed_size
+            for index in range(metadata.num_columns)
+            if metadata.column(index).path_in_schema.split(".")[0] in names
+        )
+        parquet_file = self.pa.parquet.ParquetFile(
+            self.path, metadata=self.metadata, pre_buffer=False
+        )
+        with parquet_file:
+            table = parquet_file.read_row_group(group, columns=names)
+        return table.combine_chunks().to_batches()[0], read
 
     def batches(self, skip, names, batch_rows):
         # Whole row groups before `skip` are never read: their row counts
@@ -346,6 +389,22 @@ class _IpcFile:
 
     def null_counts(self, names):
         return {}
+
+    def blocks(self):
+        """`(record batch, rows)` of each record batch."""
+        with self.pa.memory_map(self.path) as mapped:
+            reader = self.pa.ipc.open_file(mapped)
+            return [
+                (index, reader.get_batch(index).num_rows)
+                for index in range(reader.num_record_batches)
+            ]
+
+    def read_block(self, index, names):
+        """Record batch `index`'s columns `names`, and their bytes."""
+        with self.pa.memory_map(self.path) as mapped:
+            batch = self.pa.ipc.open_file(mapped).get_batch(index)
+            batch = batch.select(names)
+            return batch, batch.nbytes
 
     def batches(self, skip, names, batch_rows):
         # Memory-mapped: a skipped record batch is mapped, never converted.
@@ -444,6 +503,17 @@ class _FileSource:
             for name, count in file.null_counts(names).items():
                 totals[name] = totals.get(name, 0) + count
         return totals
+
+    def blocks(self, batch_rows):
+        return [
+            (number, unit, rows)
+            for number, file in enumerate(self.files)
+            for unit, rows in file.blocks()
+        ]
+
+    def read_block(self, block, names):
+        number, unit, _ = block
+        return self.files[number].read_block(unit, names)
 
     def batches(self, skip, names, batch_rows):
         for file in self.files:
@@ -643,6 +713,32 @@ class _Stream:
             }
             first_row += batch.num_rows
 
+    def blocks(self):
+        """The stream's blocks (see `kh.data.shard(reads="own")`), each a
+        tuple whose last item is its rows."""
+        return self.source.blocks(self.batch_rows)
+
+    def read_block(self, block, first_row):
+        """`({name: values}, bytes read)` of one of `blocks()`, which
+        starts at row `first_row` of the stream (for error messages)."""
+        pa = _pyarrow()
+        batch, read = self.source.read_block(block, list(self.columns))
+        values = {
+            name: _column_values(pa, batch.column(name), column, first_row)
+            for name, column in self.columns.items()
+        }
+        return values, read
+
+    def spec(self):
+        """The element spec of the stream's examples, batched."""
+        return self._nest(
+            {name: column.spec for name, column in self.columns.items()}
+        )
+
+    def nest(self, values):
+        """`{name: values}` as the elements' `x`, `(x, y)` or `(x, y, w)`."""
+        return self._nest(values)
+
     def _generate(self, skip, seed):
         skip, seed = int(skip), int(seed)
         if skip < 0:  # tf.data: skip(-1) skips everything
@@ -718,6 +814,17 @@ class _ArrowDataset(tf.data.Dataset):
 
     def _inputs(self):
         return [self._examples]
+
+    @property
+    def stream(self):
+        """What `kh.data.shard(reads="own")` reads blocks of."""
+        return self._stream
+
+    @property
+    def whole(self):
+        """Whether this is the whole stream, in order (not skipped or
+        shuffled): only then can its blocks be read on their own."""
+        return _is_constant(self._skip, 0) and _is_constant(self._seed, -1)
 
     @property
     def element_spec(self):

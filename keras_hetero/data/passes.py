@@ -234,3 +234,123 @@ def endless_batches(source, global_batch_size, shuffle, seed, first_pass):
         return passed.batch(global_batch_size)
 
     return tf.data.Dataset.range(first_pass, 2**62).flat_map(one_pass)
+
+
+# `HeteroDataset.shuffle_mechanism` under `reads="own"`.
+BLOCK_ORDER = "block order and rows within blocks"
+
+
+class BlockSource:
+    """`kh.data.from_arrow` examples read in blocks, each worker only the
+    blocks with rows of its replicas (`kh.data.shard(reads="own")`).
+
+    A pass's elements are its global batches' row counts; the split reads
+    each worker's rows once it knows the batch's bounds
+    (`split.replica_pipeline(read=...)`), through a `blocks.BlockReader`.
+
+    Args:
+        examples: What `kh.data.from_arrow` returned, untransformed.
+    """
+
+    def __init__(self, examples):
+        self.examples = examples
+        self.num_examples = int(examples.cardinality())
+        self.reader = None
+        self._resume = None
+
+    def shuffle_mechanism(self, shuffle):
+        return BLOCK_ORDER
+
+    def unreproducible_stages(self):
+        return []  # blocks are read by number, in an order of (seed, pass)
+
+    def map_fn_stages(self, map_fn):
+        return []  # `map_fn` runs after the split, on each worker's rows
+
+    def cache(self, filename):
+        raise ValueError(
+            '`cache` has no use under `reads="own"`: each worker keeps the '
+            "blocks it reads only while their rows last. Cache the files "
+            "on local disk instead."
+        )
+
+    def attach(self, input_context, num_replicas):
+        """Makes this worker's `blocks.BlockReader` (once per process)."""
+        from keras_hetero.data import blocks
+
+        workers = input_context.num_input_pipelines
+        if self.reader is None:
+            self.reader = blocks.BlockReader(
+                self.examples.stream,
+                num_replicas // workers,
+                input_context.input_pipeline_id,
+                workers,
+            )
+
+    def resume_at(self, state):
+        """The next pass with a skip starts at the queue `state` (from
+        `state_after` of the interrupted run)."""
+        self._resume = state
+
+    def state_after(self, pass_number, steps):
+        """The queue's state after `steps` steps of a pass, or None."""
+        if self.reader is None:
+            return None
+        return self.reader.state_after(pass_number, steps)
+
+    def pass_batches(self, start_pass, global_batch_size, shuffle):
+        """One pass's global batches as their row counts."""
+
+        def start():
+            skip, number, seed = start_pass()
+            order_seed = None if shuffle is None else pass_seed(seed, number)
+            state = None
+            if skip:
+                state, self._resume = self._resume, None
+                if state is None:
+                    raise ValueError(
+                        f"Resuming pass {number} after {skip} examples "
+                        'under `reads="own"` needs the block queue\'s state '
+                        "of that step, which the checkpoint does not hold."
+                    )
+            return np.int64(self.reader.start_pass(number, order_seed, state))
+
+        left = tf.numpy_function(start, [], tf.int64, stateful=True)
+        left.set_shape([])
+        size = tf.constant(global_batch_size, tf.int64)
+        steps = (left + size - 1) // size
+        return tf.data.Dataset.range(steps).map(
+            lambda step: tf.minimum(size, left - step * size)
+        )
+
+    @property
+    def element_spec(self):
+        """The spec of a batch of rows `read` returns."""
+        return self.examples.stream.spec()
+
+    def read(self, bounds):
+        """This worker's rows of a global batch with replica `bounds`."""
+        stream = self.examples.stream
+        spec = stream.spec()
+        flat_spec = tf.nest.flatten(spec)
+
+        def read_rows(bounds):
+            values = self.reader.step(bounds)
+            if values is None:
+                values = {
+                    name: np.zeros(
+                        (0, *column.shape),
+                        object
+                        if column.dtype == tf.string
+                        else column.dtype.as_numpy_dtype,
+                    )
+                    for name, column in stream.columns.items()
+                }
+            return tf.nest.flatten(stream.nest(values))
+
+        flat = tf.numpy_function(
+            read_rows, [bounds], [s.dtype for s in flat_spec], stateful=True
+        )
+        for tensor, s in zip(flat, flat_spec):
+            tensor.set_shape(s.shape)
+        return tf.nest.pack_sequence_as(spec, flat)

@@ -80,12 +80,14 @@ class HeteroDataset:
         shuffle=None,
         seed=None,
         first_pass=0,
+        reads="all",
     ):
-        self._source = (
-            examples
-            if hasattr(examples, "pass_batches")
-            else passes_lib.DatasetSource(examples)
-        )
+        if reads == "own":
+            self._source = passes_lib.BlockSource(examples)
+        elif hasattr(examples, "pass_batches"):
+            self._source = examples
+        else:
+            self._source = passes_lib.DatasetSource(examples)
         self._map_fn = map_fn
         self.global_batch_size = global_batch_size
         self.strategy = strategy
@@ -247,6 +249,64 @@ class HeteroDataset:
             check_int("pass_number", _plain_int(pass_number), 0)
         self._schedule.skip_examples(int(examples))
         self._order.restart(pass_number, seed)
+
+    @property
+    def reads(self):
+        """`"own"`: each worker reads only the blocks of its replicas' rows
+        (`kh.data.shard(reads="own")`); `"all"`: every worker reads every
+        example."""
+        return (
+            "own" if isinstance(self._source, passes_lib.BlockSource) else "all"
+        )
+
+    @property
+    def reads_done(self):
+        """Under `reads="own"`, what this worker has read so far:
+        `{"bytes": ..., "rows": ..., "passes": {pass: {"bytes": ...,
+        "rows": ...}}}` (bytes: for Parquet the column chunks' compressed
+        sizes from the footers; for IPC and tables the record batches'
+        sizes), also per pass over the data (a pipeline may read ahead into
+        the next pass). None under `reads="all"`."""
+        reader = getattr(self._source, "reader", None)
+        if reader is None:
+            return None
+        return {
+            "bytes": reader.bytes_read,
+            "rows": reader.rows_read,
+            "passes": {
+                number: {"bytes": read, "rows": rows}
+                for number, (read, rows) in sorted(reader.by_pass.items())
+            },
+        }
+
+    def input_state(self, pass_number, examples):
+        """What resuming pass `pass_number` after `examples` of its examples
+        needs besides their count (`ElasticCheckpoint` saves it).
+
+        Args:
+            pass_number: The pass (as `next_pass` numbers them).
+            examples: Examples of the pass trained so far.
+
+        Returns:
+            Under `reads="own"`, the block queue's state after those steps
+            as plain data (None if no longer kept: the pipeline ran more
+            than 256 steps past them); under `reads="all"`, or at the
+            pass's start, None.
+        """
+        if self.reads != "own" or not examples or pass_number is None:
+            return None
+        steps = -(-int(examples) // self.global_batch_size)
+        return self._source.state_after(pass_number, steps)
+
+    def resume_input(self, state):
+        """Restores what `input_state` returned; call before `resume_after`
+        (`ElasticCheckpoint` does both).
+
+        Args:
+            state: `input_state`'s result, or None (nothing to restore).
+        """
+        if state is not None and self.reads == "own":
+            self._source.resume_at(state)
 
     def shares_for_batch(self, batch):
         """The shares that split global batch `batch = (pass, index)`."""
@@ -548,6 +608,10 @@ class HeteroDataset:
         if self._schedule.mirror is None:
             # Views (`with_options`, ...) share the schedule and its copy.
             self._schedule.attach(bounds_lib.PipelineSplit(self.num_replicas))
+        read = None
+        if isinstance(self._source, passes_lib.BlockSource):
+            self._source.attach(input_context, self.num_replicas)
+            read = self._source
         return split_lib.replica_pipeline(
             batches,
             self._schedule.mirror,
@@ -556,6 +620,7 @@ class HeteroDataset:
             map_fn=self._map_fn,
             class_weight=class_weight,
             options=self._options,
+            read=read,
         )
 
 
@@ -568,6 +633,7 @@ def shard(
     map_fn=None,
     shuffle=None,
     seed=None,
+    reads="all",
 ):
     """Splits global batches of `examples` across replicas by `shares`.
 
@@ -621,6 +687,19 @@ def shard(
             drawn when training starts, from numpy's global random state
             (so `keras.utils.set_random_seed` fixes it) on the first
             replica's worker, and sent to the others.
+        reads: `"all"`: every worker reads every example and keeps its
+            replicas' rows of each global batch (the global batches are
+            `examples.batch(global_batch_size)`). `"own"`: for
+            `kh.data.from_arrow` examples (files or a table, not
+            transformed), each worker reads only the blocks (Parquet row
+            groups, IPC record batches) whose rows its replicas train on:
+            the data is read about once per epoch between all workers, not
+            once per worker. Blocks are dealt to workers as their shares
+            need rows, so a global batch is made of rows of several
+            blocks (docs/arrow.md, "Each worker reads its own rows");
+            with `shuffle=True` the block order and the rows within each
+            block are shuffled per pass. Every example is still trained
+            once per epoch, whatever the shares do. Defaults to `"all"`.
 
     Returns:
         A `kh.data.HeteroDataset`.
@@ -667,6 +746,7 @@ def shard(
         )
     shuffle = check_shuffle(shuffle, examples)
     seed = check_seed(seed)
+    _check_reads(reads, examples, shuffle, strategy)
     dataset = HeteroDataset(
         examples,
         int(global_batch_size),
@@ -675,9 +755,52 @@ def shard(
         map_fn=map_fn,
         shuffle=shuffle,
         seed=seed,
+        reads=reads,
     )
     _check_same_order_on_workers(dataset)
     return dataset
+
+
+def _check_reads(reads, examples, shuffle, strategy):
+    """Raises unless `reads` is "all", or "own" over examples it can read
+    block by block.
+
+    Raises:
+        ValueError: For another `reads`, or "own" over other examples, a
+            shuffle buffer or ParameterServerStrategy.
+    """
+    if reads not in ("all", "own"):
+        raise ValueError(
+            f"Invalid value for argument `reads`. Received: reads={reads!r}. "
+            'Expected "all" (every worker reads every example) or "own" '
+            "(each worker reads the blocks of its own rows)."
+        )
+    if reads == "all":
+        return
+    if not getattr(examples, "whole", False):
+        raise ValueError(
+            'Invalid value for argument `examples`: `reads="own"` reads '
+            "blocks of `kh.data.from_arrow` examples (Parquet or Arrow IPC "
+            "files, or a pyarrow.Table) by number. Received: "
+            f"{type(examples).__name__} {examples.element_spec}. Pass what "
+            "`from_arrow` returned, untransformed (per-batch work goes in "
+            '`map_fn`), or use reads="all".'
+        )
+    examples.stream.blocks()  # a RecordBatchReader says it has none
+    if shuffle not in (None, True):
+        raise ValueError(
+            f"Invalid value for argument `shuffle`. Received: "
+            f'shuffle={shuffle!r} with reads="own". Expected None or True '
+            "(the block order and the rows within each block are "
+            "shuffled per pass; there is no buffer)."
+        )
+    if _distribute.is_parameter_server(strategy):
+        raise ValueError(
+            'Invalid value for argument `reads`. Received: reads="own" '
+            "under ParameterServerStrategy, whose workers each train "
+            "whole global batches of their own stream. Expected "
+            'reads="all" there.'
+        )
 
 
 def _check_same_order_on_workers(dataset):

@@ -17,6 +17,7 @@ def replica_pipeline(
     map_fn=None,
     class_weight=None,
     options=None,
+    read=None,
 ):
     """The per-replica elements one worker's input pipeline yields.
 
@@ -29,6 +30,10 @@ def replica_pipeline(
         map_fn: Run on each replica's rows after the split, or None.
         class_weight: `{class: weight}` applied after `map_fn`, or None.
         options: `tf.data.Options` for the pipeline, or None.
+        read: Under `reads="own"`, the `passes.BlockSource` that reads
+            this worker's rows once a batch's bounds are known; `batches`
+            then hold each global batch's row count. None: `batches` hold
+            the global batches.
 
     Returns:
         A `tf.data.Dataset` giving the worker's replicas their slices in
@@ -39,8 +44,15 @@ def replica_pipeline(
 
     def split(index, batch, stacked):
         # In-graph, from the schedule's copy: no Python per batch.
-        total = _batches.batch_rows(batch)
-        bounds = mirror.bounds(index, total)
+        if read is None:
+            total = _batches.batch_rows(batch)
+            bounds = mirror.bounds(index, total)
+        else:
+            bounds = mirror.bounds(index, batch)
+            # Only this worker's rows, its replicas' in order.
+            batch = read.read(bounds)
+            bounds = bounds - bounds[first_replica]
+            total = bounds[first_replica + local_replicas]
         if stacked:
             return _gather_padded(
                 batch,
@@ -65,7 +77,9 @@ def replica_pipeline(
             dataset = dataset.concatenate(more)
         return dataset
 
-    stacked = local_replicas > 1 and _all_dense(batches.element_spec)
+    stacked = (
+        read is None and local_replicas > 1 and _all_dense(batches.element_spec)
+    )
     # Our own small functions run inline: a thread-pool hand-off per
     # call cost more than each of them (`_compat.inline_map`).
     split_batches = _compat.inline_map(

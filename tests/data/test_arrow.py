@@ -16,6 +16,7 @@ import tensorflow as tf
 import keras_hetero as kh
 from keras_hetero._compat import keras
 from keras_hetero.data import arrow as arrow_lib
+from keras_hetero.data import blocks as blocks_lib
 from tests.conftest import DEVICES
 from tests.support import arrow_workers
 from tests.support import helpers
@@ -525,4 +526,75 @@ def test_two_workers_see_every_parquet_row_once_per_epoch(tmp_path):
         epochs=2,
         verbose=0,
     )
+    helpers.assert_weights_close(first["weights"], reference.get_weights())
+
+
+@pytest.mark.slow
+@pytest.mark.both_flavours
+def test_two_workers_each_read_their_own_row_groups(tmp_path):
+    # reads="own": each worker reads only the row groups dealt to it, the
+    # shares move (ShardRebalancer), every row trains once per epoch, and
+    # the weights are one device's on the global batches the queue made.
+    rows, global_batch, group = 24 * 16 + 5, 24, 8
+    table = _table(rows)
+    paths = _write_parquet(tmp_path / "data", table, row_group_rows=group)
+    results = kh.testing.run_workers(
+        arrow_workers.fit_parquet_ids_mwms,
+        2,
+        timeout=240,
+        args=(str(tmp_path / "data"), global_batch, "own"),
+    )
+    first, second = (r.value for r in results)
+    assert first["changes"] == second["changes"]
+    assert len(first["changes"]) >= 1  # the shares moved
+    assert first["steps"][:2] == second["steps"][:2]
+    counts = np.bincount(first["seen"] + second["seen"], minlength=rows)
+    assert np.all(counts == 2), np.nonzero(counts != 2)
+
+    # Read about once between them: row groups, bytes (the footers'
+    # compressed sizes of the columns read), for the two epochs' passes
+    # (under tf-keras each worker also reads ahead into a third).
+    def read(what, worker=None):
+        workers = [first, second] if worker is None else [worker]
+        return sum(
+            w["read"]["passes"][number][what]
+            for w in workers
+            for number in (0, 1)
+        )
+
+    assert 2 * rows <= read("rows") <= 1.10 * 2 * rows, read("rows")
+    assert read("rows", first) < 1.5 * rows
+    footers = [pq.ParquetFile(path).metadata for path in paths]
+    groups = [f.row_group(g) for f in footers for g in range(f.num_row_groups)]
+    column_bytes = sum(
+        group.column(c).total_compressed_size
+        for group in groups
+        for c in range(group.num_columns)
+        if group.column(c).path_in_schema.split(".")[0] in ("x", "id", "y")
+    )
+    assert 2 * column_bytes <= read("bytes") <= 1.10 * 2 * column_bytes
+    # One device on the global batches the block queue composed.
+    block_rows = [group.num_rows for group in groups]
+    starts = np.concatenate([[0], np.cumsum(block_rows)])
+    order = []
+    for epoch in first["steps"][:2]:  # tf-keras: a third read ahead
+        batches = blocks_lib.compose(
+            block_rows, range(len(block_rows)), epoch, 1
+        )
+        order.extend(starts[b] + r for batch in batches for b, r in batch)
+    order = np.asarray(order)
+    assert sorted(order[:rows]) == list(range(rows))
+    assert not np.array_equal(order[:rows], np.arange(rows))  # composed
+    reference = helpers.id_model([], 0.0)
+    reference.set_weights(first["initial"])
+    x, y, _, ids = helpers.arrays(rows)
+    epoch_order = [order[:rows], order[rows : 2 * rows]]
+    for part in epoch_order:
+        reference.fit(
+            tf.data.Dataset.from_tensor_slices(
+                ({"x": x[part], "id": ids[part]}, y[part])
+            ).batch(global_batch),
+            epochs=1,
+            verbose=0,
+        )
     helpers.assert_weights_close(first["weights"], reference.get_weights())

@@ -5,7 +5,7 @@ They are module-level (picklable) and import TensorFlow only when called.
 """
 
 
-def fit_parquet_ids_mwms(directory, global_batch):
+def fit_parquet_ids_mwms(directory, global_batch, reads="all"):
     """2-worker fit from Parquet with ShardRebalancer; ids seen, decisions."""
     import tensorflow as tf
 
@@ -23,7 +23,7 @@ def fit_parquet_ids_mwms(directory, global_batch):
     examples = kh.data.from_arrow(
         directory, ["x", "id"], label="y", shapes={"y": (1,)}, batch_rows=16
     )
-    data = kh.data.shard(examples, global_batch, strategy=strategy)
+    data = kh.data.shard(examples, global_batch, strategy=strategy, reads=reads)
     rebalancer = kh.callbacks.ShardRebalancer(
         data, every_n_steps=3, warmup_steps=1, window=3, tolerance=0.0
     )
@@ -36,4 +36,38 @@ def fit_parquet_ids_mwms(directory, global_batch):
         ],
         "initial": initial,
         "weights": model.get_weights(),
+        "steps": _replica_rows_per_step(data),
+        "read": data.reads_done,
     }
+
+
+def _replica_rows_per_step(data):
+    """Rows per replica of every global batch trained, epoch by epoch:
+    a pass per epoch (Keras 3) or one pass numbered on (tf-keras)."""
+    from keras_hetero.data import shares as shares_lib
+
+    per_pass, batches = data.num_examples, data.num_batches
+    if data.passes_started > 1:
+        positions = [
+            [(number, index) for index in range(batches)]
+            for number in range(data.passes_started)
+        ]
+    else:
+        total = data.position[1]
+        positions = [
+            [(0, index) for index in range(start, start + batches)]
+            for start in range(0, total, batches)
+        ]
+    return [
+        [
+            shares_lib.rows_from_shares(
+                data.shares_for_batch(position),
+                min(
+                    data.global_batch_size,
+                    per_pass - step * data.global_batch_size,
+                ),
+            ).tolist()
+            for step, position in enumerate(epoch)
+        ]
+        for epoch in positions
+    ]

@@ -18,7 +18,15 @@ ROWS = 80
 SEED = 1234  # the shuffle seed of the shuffled kinds
 FILES = 4  # Parquet / TFRecord files of ROWS // FILES rows each
 
-KINDS = ("plain", "shard", "arrays", "arrow", "tfrecord", "augment")
+KINDS = (
+    "plain",
+    "shard",
+    "arrays",
+    "arrow",
+    "arrow-own",
+    "tfrecord",
+    "augment",
+)
 
 
 def write_files(kind, directory):
@@ -28,7 +36,7 @@ def write_files(kind, directory):
     per_file = ROWS // FILES
     for number in range(FILES):
         rows = slice(number * per_file, (number + 1) * per_file)
-        if kind == "arrow":
+        if kind.startswith("arrow"):
             import pyarrow as pa
             import pyarrow.parquet as pq
 
@@ -96,6 +104,20 @@ def dataset(kind, batch, strategy, data_dir=None):
             data_dir, ["x", "id"], label="y", batch_rows=16
         )
         shuffle = True
+    elif kind == "arrow-own":
+        # Each worker reads only the row groups dealt to it, worker 0's
+        # replica taking 3 rows in 4; the block order and rows within
+        # blocks shuffled per pass.
+        examples = kh.data.from_arrow(data_dir, ["x", "id"], label="y")
+        return kh.data.shard(
+            examples,
+            batch,
+            strategy=strategy,
+            shuffle=True,
+            seed=SEED,
+            shares=[3, 1],
+            reads="own",
+        )
     elif kind == "tfrecord":
         # A shuffled file list, fixed across epochs and reproducible in a
         # fresh process: tf.data's seeded shuffle is a function of (global

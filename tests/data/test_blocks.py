@@ -1,0 +1,192 @@
+"""The block queue of kh.data.shard(reads="own") and its single-process
+behaviour: exactly once whatever the shares, state, errors."""
+
+import collections
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+import tensorflow as tf
+
+import keras_hetero as kh
+from keras_hetero.data import blocks as blocks_lib
+from keras_hetero.data import shares as shares_lib
+from tests.conftest import DEVICES
+from tests.support import helpers
+
+
+def _random_pass(rng):
+    """Blocks, an order, workers, replicas per worker and per-step rows
+    per replica from random shares (some replicas at 0)."""
+    block_rows = rng.integers(0, 40, rng.integers(1, 25))
+    workers, local = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+    batch = int(rng.integers(workers * local, 120))
+    steps, left = [], int(block_rows.sum())
+    while left > 0:
+        shares = rng.random(workers * local) * (
+            rng.random(workers * local) > 0.2
+        )
+        if shares.sum() == 0:
+            shares[0] = 1
+        rows = shares_lib.rows_from_shares(
+            shares / shares.sum(), min(batch, left)
+        )
+        steps.append(rows.tolist())
+        left -= min(batch, left)
+    return block_rows, rng.permutation(len(block_rows)), workers, local, steps
+
+
+def test_every_row_is_taken_once_whatever_the_shares():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        block_rows, order, _, local, steps = _random_pass(rng)
+        batches = blocks_lib.compose(block_rows, order, steps, local)
+        taken = collections.Counter(row for batch in batches for row in batch)
+        expected = {(b, r) for b, n in enumerate(block_rows) for r in range(n)}
+        assert set(taken) == expected, trial
+        assert set(taken.values()) <= {1}, trial
+        assert [len(b) for b in batches] == [sum(s) for s in steps], trial
+
+
+def test_each_block_is_dealt_to_one_worker_but_at_a_pass_end():
+    # Rows move between workers only when the pass has no block left to
+    # deal: blocks read by two workers are few (bytes read ~1x).
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        block_rows, order, workers, local, steps = _random_pass(rng)
+        queue = blocks_lib.BlockQueue(block_rows, order, workers)
+        readers = collections.defaultdict(set)
+        for rows in steps:
+            taken = queue.take(blocks_lib.worker_rows(rows, local))
+            for worker, segments in enumerate(taken):
+                for block, _, _ in segments:
+                    readers[block].add(worker)
+        shared = [b for b, w in readers.items() if len(w) > 1]
+        assert len(shared) <= workers * (workers - 1), (shared, workers)
+
+
+def test_one_worker_reads_the_blocks_in_order():
+    queue = blocks_lib.BlockQueue([3, 5, 2], [0, 1, 2], 1)
+    assert queue.take([4]) == [[(0, 0, 3), (1, 0, 1)]]
+    assert queue.take([4]) == [[(1, 1, 5)]]
+    assert queue.take([2]) == [[(2, 0, 2)]]
+    assert queue.remaining_rows == 0
+
+
+def test_a_pass_end_moves_rows_from_the_worker_with_most_to_spare():
+    queue = blocks_lib.BlockQueue([10, 10], [0, 1], 2)
+    # Worker 0 is dealt block 0, worker 1 block 1.
+    assert queue.take([2, 2]) == [[(0, 0, 2)], [(1, 0, 2)]]
+    # No block left: worker 0 needs 12 of its 8, takes 4 from the back
+    # of worker 1's rows.
+    assert queue.take([12, 4]) == [[(0, 2, 10), (1, 6, 10)], [(1, 2, 6)]]
+    assert queue.remaining_rows == 0
+
+
+def test_state_resumes_the_same_takes():
+    rng = np.random.default_rng(2)
+    block_rows, order, workers, local, steps = _random_pass(rng)
+    whole = blocks_lib.BlockQueue(block_rows, order, workers)
+    expected = [whole.take(blocks_lib.worker_rows(s, local)) for s in steps]
+    for cut in range(len(steps) + 1):
+        first = blocks_lib.BlockQueue(block_rows, order, workers)
+        for rows in steps[:cut]:
+            first.take(blocks_lib.worker_rows(rows, local))
+        again = blocks_lib.BlockQueue(block_rows, order, workers)
+        again.set_state(first.get_state())
+        assert [
+            again.take(blocks_lib.worker_rows(s, local)) for s in steps[cut:]
+        ] == expected[cut:]
+
+
+def test_bad_steps_and_states_are_named():
+    queue = blocks_lib.BlockQueue([4], [0], 2)
+    with pytest.raises(ValueError, match=r"expected 2 non-negative"):
+        queue.take([1])
+    with pytest.raises(ValueError, match=r"takes 5 rows .* has 4 left"):
+        queue.take([3, 2])
+    with pytest.raises(ValueError, match=r"3 worker\(s\) .* 2 worker\(s\)"):
+        queue.set_state({"next": 0, "fifos": [[], [], []]})
+    with pytest.raises(ValueError, match=r"each of the 2 blocks once"):
+        blocks_lib.BlockQueue([4, 4], [0, 0], 1)
+
+
+def _ids_table(rows):
+    return pa.table(
+        {
+            "x": np.arange(rows, dtype="float32"),
+            "id": np.arange(rows, dtype="int64"),
+        }
+    )
+
+
+def _epoch_ids(data, strategy):
+    ids = []
+    for batch in data.as_distributed_dataset():
+        ids.extend(
+            int(i)
+            for part in strategy.experimental_local_results(batch[1])
+            for i in part.numpy()
+        )
+    return ids
+
+
+@pytest.mark.parametrize("source", ["parquet", "ipc", "table"])
+def test_one_worker_reads_its_blocks_once_and_in_order(tmp_path, source):
+    # One worker: the queue deals every block to it in order, so the
+    # global batches are `examples.batch(B)`'s; shuffled, a permutation.
+    table, rows = _ids_table(50), 50
+    if source == "parquet":
+        pq.write_table(table, tmp_path / "a.parquet", row_group_size=7)
+        given = tmp_path / "a.parquet"
+    elif source == "ipc":
+        feather.write_feather(table, tmp_path / "a.arrow", chunksize=7)
+        given = tmp_path / "a.arrow"
+    else:
+        given = table
+    strategy = helpers.mirrored(DEVICES[:2])
+    examples = kh.data.from_arrow(given, "x", label="id", batch_rows=7)
+    data = kh.data.shard(
+        examples, 8, strategy=strategy, shares=[3, 1], reads="own"
+    )
+    assert data.reads == "own"
+    assert _epoch_ids(data, strategy) == list(range(rows))
+    assert data.reads_done["rows"] == rows
+    assert data.reads_done["bytes"] > 0
+    shuffled = kh.data.shard(
+        examples, 8, strategy=strategy, reads="own", shuffle=True, seed=5
+    )
+    ids = _epoch_ids(shuffled, strategy)
+    assert sorted(ids) == list(range(rows)) and ids != list(range(rows))
+    assert shuffled.shuffle_mechanism == "block order and rows within blocks"
+
+
+def test_what_reads_own_cannot_read_is_refused(tmp_path):
+    strategy = helpers.mirrored(DEVICES[:2])
+    table = _ids_table(20)
+    examples = kh.data.from_arrow(table, "x", label="id")
+    with pytest.raises(ValueError, match=r"reads='some'.*\"all\".*\"own\""):
+        kh.data.shard(examples, 8, strategy=strategy, reads="some")
+    with pytest.raises(ValueError, match=r"untransformed.*map_fn"):
+        kh.data.shard(
+            examples.map(lambda x, y: (x, y)), 8, strategy=strategy, reads="own"
+        )
+    with pytest.raises(ValueError, match=r"untransformed"):
+        kh.data.shard(
+            tf.data.Dataset.range(8), 8, strategy=strategy, reads="own"
+        )
+    with pytest.raises(ValueError, match=r"shuffle=16 with reads=\"own\""):
+        kh.data.shard(examples, 8, strategy=strategy, reads="own", shuffle=16)
+    reader = pa.RecordBatchReader.from_batches(table.schema, table.to_batches())
+    with pytest.raises(ValueError, match=r"RecordBatchReader has no random"):
+        kh.data.shard(
+            kh.data.from_arrow(reader, "x", label="id"),
+            8,
+            strategy=strategy,
+            reads="own",
+        )
+    data = kh.data.shard(examples, 8, strategy=strategy, reads="own")
+    with pytest.raises(ValueError, match=r"`cache` has no use"):
+        data.cache()
