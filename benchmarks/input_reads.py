@@ -11,8 +11,9 @@ every worker, as `ShardRebalancer` does).
 
 `reads="own"`: each worker's `HeteroDataset.reads_done` for the epoch's
 pass (the column chunks' compressed sizes from the footers of the row
-groups it read, and their rows), summed over workers, against the dataset's bytes; per worker, the
-rows it read (parsed) against the rows it trained. `reads="all"`: every
+groups it read, and their rows), summed over workers, against the
+dataset's bytes; per worker, the rows it read (parsed) against the rows it
+trained. `reads="all"`: every
 worker reads the whole stream (how it works: docs/arrow.md), so its bytes
 are the workers' number times the dataset's and each worker parses every
 row (rows / the rows it trained); the table states it so rather than

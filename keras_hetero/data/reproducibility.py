@@ -165,6 +165,33 @@ def unreproducible_stages(examples):
     return stages
 
 
+# tf.data sources that read files (their op names).
+_FILE_READERS = {
+    "TFRecordDataset": "TFRecordDataset",
+    "TFRecordDatasetV2": "TFRecordDataset",
+    "FixedLengthRecordDataset": "FixedLengthRecordDataset",
+    "FixedLengthRecordDatasetV2": "FixedLengthRecordDataset",
+    "TextLineDataset": "TextLineDataset",
+}
+
+
+def file_readers(examples):
+    """The file-reading tf.data sources in `examples`' pipeline (their
+    class names, each once), or `[]` if it cannot be inspected."""
+    try:
+        graph = _compat.dataset_graph(examples)
+    except Exception:  # any TF error: nothing to say
+        return []
+    functions = [f.node_def for f in graph.library.function]
+    found = []
+    for nodes in [graph.node, *functions]:
+        for node in nodes:
+            name = _FILE_READERS.get(node.op)
+            if name is not None and name not in found:
+                found.append(name)
+    return found
+
+
 def map_fn_stages(examples, map_fn):
     """The stages of `kh.data.shard`'s `map_fn` that a resumed pass cannot
     reproduce: any stateful random op, seeded or not, and any variable

@@ -1,6 +1,7 @@
 """`kh.data.shard`: global batches split into per-replica slices by shares."""
 
 import copy
+import logging
 import numbers
 
 import numpy as np
@@ -14,6 +15,10 @@ from keras_hetero.data import passes as passes_lib
 from keras_hetero.data import reproducibility
 from keras_hetero.data import shares as shares_lib
 from keras_hetero.data import split as split_lib
+
+logger = logging.getLogger("keras_hetero")
+# Whether this process has said once how whole-stream reads can be avoided.
+_ADVISED = []
 
 # tf.data methods a HeteroDataset has no use for, and what to do instead.
 _INSTEAD = {
@@ -818,6 +823,7 @@ def _check_same_order_on_workers(dataset):
         return
     # The examples' own stages only: `map_fn` runs after the split, on each
     # worker's rows, so it cannot change which rows a worker keeps.
+    _advise_on_whole_stream_reads(dataset)
     stages = [
         s for s in dataset._source.unreproducible_stages() if s.across_workers
     ]
@@ -831,6 +837,41 @@ def _check_same_order_on_workers(dataset):
             "may give each worker another order (some examples would be "
             "trained twice, others never):\n" + reproducibility.describe(stages)
         )
+
+
+def _advise_on_whole_stream_reads(dataset):
+    """Logs once per process, under `reads="all"` and several workers, that
+    every worker reads all of a file-backed input, and what reads less."""
+    if _ADVISED or dataset.reads != "all":
+        return
+    workers = _distribute.num_workers(dataset.strategy)
+    examples = getattr(dataset._source, "examples", None)
+    files = getattr(getattr(examples, "stream", None), "source", None)
+    if getattr(files, "files", None):
+        advice = (
+            f"all {len(files.files)} Parquet/Arrow file(s) of "
+            '`kh.data.from_arrow`. With `kh.data.shard(..., reads="own")` '
+            "each reads only the row groups of its own rows (docs/arrow.md)."
+        )
+    else:
+        readers = (
+            reproducibility.file_readers(examples)
+            if isinstance(examples, tf.data.Dataset)
+            else []
+        )
+        if not readers:
+            return
+        advice = (
+            f"the whole {' and '.join(readers)} stream and keeps its rows of "
+            "each global batch. Parse and decode in `kh.data.shard(..., "
+            "map_fn=...)`, which runs on each worker's own rows only; "
+            'Parquet through `kh.data.from_arrow` with `reads="own"` '
+            "reads each worker's rows alone (docs/arrow.md)."
+        )
+    _ADVISED.append(True)
+    logger.warning(
+        "kh.data.shard: each of the %d workers reads %s", workers, advice
+    )
 
 
 def check_shuffle(shuffle, examples):

@@ -2,6 +2,8 @@
 behaviour: exactly once whatever the shares, state, errors."""
 
 import collections
+import importlib
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -190,3 +192,43 @@ def test_what_reads_own_cannot_read_is_refused(tmp_path):
     data = kh.data.shard(examples, 8, strategy=strategy, reads="own")
     with pytest.raises(ValueError, match=r"`cache` has no use"):
         data.cache()
+
+
+def test_several_workers_reading_all_of_files_are_told_once_how_not_to(
+    tmp_path, monkeypatch, caplog
+):
+    # A one-time log line when each of several workers would read a
+    # file-backed input whole (here: 2 workers, as `_distribute` says).
+    shard_module = importlib.import_module("keras_hetero.data.shard")
+    monkeypatch.setattr(shard_module._distribute, "num_workers", lambda s: 2)
+    pq.write_table(_ids_table(20), tmp_path / "a.parquet", row_group_size=5)
+    path = str(tmp_path / "a.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        writer.write(b"record")
+    cases = [
+        (tf.data.Dataset.range(8), "all", None),
+        (kh.data.from_arrow(tmp_path / "a.parquet", "x"), "own", None),
+        (
+            kh.data.from_arrow(tmp_path / "a.parquet", "x"),
+            "all",
+            r"each of the 2 workers reads all 1 Parquet/Arrow file\(s\) .*"
+            r'reads="own"',
+        ),
+        (
+            tf.data.TFRecordDataset([path]).map(lambda r: tf.strings.length(r)),
+            "all",
+            r"whole TFRecordDataset stream .* map_fn=",
+        ),
+    ]
+    for examples, reads, expected in cases:
+        monkeypatch.setattr(shard_module, "_ADVISED", [])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="keras_hetero"):
+            kh.data.shard(examples, 4, reads=reads)
+            kh.data.shard(examples, 4, reads=reads)
+        said = [r.getMessage() for r in caplog.records]
+        if expected is None:
+            assert not said, said
+        else:
+            assert len(said) == 1, said  # once per process
+            assert re.search(expected, said[0]), said
