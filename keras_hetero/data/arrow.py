@@ -729,6 +729,18 @@ class _Stream:
         }
         return values, read
 
+    def empty(self):
+        """`{name: values}` of no rows."""
+        return {
+            name: np.zeros(
+                (0, *column.shape),
+                object
+                if column.dtype == tf.string
+                else column.dtype.as_numpy_dtype,
+            )
+            for name, column in self.columns.items()
+        }
+
     def spec(self):
         """The element spec of the stream's examples, batched."""
         return self._nest(
@@ -797,8 +809,10 @@ def _add_skips(first, second):
     )
 
 
-class _ArrowDataset(tf.data.Dataset):
-    """The examples of an Arrow stream; `skip` does not decode what it skips.
+class BlockDataset(tf.data.Dataset):
+    """The examples of a stream read in blocks (Arrow record batches or row
+    groups, `kh.data.from_tfrecords`' blocks of records); `skip` does not
+    decode what it skips.
 
     `kh.data.HeteroDataset.resume_after` skips through `skip`, so resuming
     mid-epoch from files passes over whole files and Parquet row groups by
@@ -841,7 +855,7 @@ class _ArrowDataset(tf.data.Dataset):
         Returns:
             A dataset of the same examples without the first `count`.
         """
-        return _ArrowDataset(
+        return BlockDataset(
             self._stream, _add_skips(self._skip, count), self._seed
         )
 
@@ -860,7 +874,7 @@ class _ArrowDataset(tf.data.Dataset):
             return self.shuffle(
                 self.cardinality(), seed=seed, reshuffle_each_iteration=False
             )
-        return _ArrowDataset(self._stream, 0, seed)
+        return BlockDataset(self._stream, 0, seed)
 
 
 def _is_constant(value, constant):
@@ -981,4 +995,4 @@ def from_arrow(
     stream_source = _source(pa, source)
     structure, names = _structure(stream_source, columns, label, sample_weight)
     plan = _plan(pa, stream_source, names, shapes, fill_null)
-    return _ArrowDataset(_Stream(stream_source, structure, plan, batch_rows))
+    return BlockDataset(_Stream(stream_source, structure, plan, batch_rows))

@@ -241,15 +241,17 @@ BLOCK_ORDER = "block order and rows within blocks"
 
 
 class BlockSource:
-    """`kh.data.from_arrow` examples read in blocks, each worker only the
-    blocks with rows of its replicas (`kh.data.shard(reads="own")`).
+    """`kh.data.from_arrow` or `from_tfrecords` examples read in blocks,
+    each worker only the blocks with rows of its replicas
+    (`kh.data.shard(reads="own")`).
 
     A pass's elements are its global batches' row counts; the split reads
     each worker's rows once it knows the batch's bounds
     (`split.replica_pipeline(read=...)`), through a `blocks.BlockReader`.
 
     Args:
-        examples: What `kh.data.from_arrow` returned, untransformed.
+        examples: What `kh.data.from_arrow` or `from_tfrecords` returned,
+            untransformed.
     """
 
     def __init__(self, examples):
@@ -337,15 +339,7 @@ class BlockSource:
         def read_rows(bounds):
             values = self.reader.step(bounds)
             if values is None:
-                values = {
-                    name: np.zeros(
-                        (0, *column.shape),
-                        object
-                        if column.dtype == tf.string
-                        else column.dtype.as_numpy_dtype,
-                    )
-                    for name, column in stream.columns.items()
-                }
+                values = stream.empty()
             return tf.nest.flatten(stream.nest(values))
 
         flat = tf.numpy_function(

@@ -695,9 +695,10 @@ def shard(
         reads: `"all"`: every worker reads every example and keeps its
             replicas' rows of each global batch (the global batches are
             `examples.batch(global_batch_size)`). `"own"`: for
-            `kh.data.from_arrow` examples (files or a table, not
-            transformed), each worker reads only the blocks (Parquet row
-            groups, IPC record batches) whose rows its replicas train on:
+            `kh.data.from_arrow` examples (files or a table) or
+            `kh.data.from_tfrecords` records, not transformed, each worker
+            reads only the blocks (Parquet row groups, IPC record batches,
+            blocks of records) whose rows its replicas train on:
             the data is read about once per epoch between all workers, not
             once per worker. Blocks are dealt to workers as their shares
             need rows, so a global batch is made of rows of several
@@ -786,9 +787,11 @@ def _check_reads(reads, examples, shuffle, strategy):
         raise ValueError(
             'Invalid value for argument `examples`: `reads="own"` reads '
             "blocks of `kh.data.from_arrow` examples (Parquet or Arrow IPC "
-            "files, or a pyarrow.Table) by number. Received: "
+            "files, or a pyarrow.Table) or `kh.data.from_tfrecords` records "
+            "by number. Received: "
             f"{type(examples).__name__} {examples.element_spec}. Pass what "
-            "`from_arrow` returned, untransformed (per-batch work goes in "
+            "`from_arrow` / `from_tfrecords` returned, untransformed "
+            "(per-batch work goes in "
             '`map_fn`), or use reads="all".'
         )
     examples.stream.blocks()  # a RecordBatchReader says it has none
@@ -846,12 +849,16 @@ def _advise_on_whole_stream_reads(dataset):
         return
     workers = _distribute.num_workers(dataset.strategy)
     examples = getattr(dataset._source, "examples", None)
-    files = getattr(getattr(examples, "stream", None), "source", None)
-    if getattr(files, "files", None):
+    stream = getattr(examples, "stream", None)
+    files = getattr(stream, "files", None) or getattr(
+        getattr(stream, "source", None), "files", None
+    )
+    if files:
         advice = (
-            f"all {len(files.files)} Parquet/Arrow file(s) of "
-            '`kh.data.from_arrow`. With `kh.data.shard(..., reads="own")` '
-            "each reads only the row groups of its own rows (docs/arrow.md)."
+            f"all {len(files)} file(s) of its `kh.data.from_arrow` / "
+            "`from_tfrecords` examples. With `kh.data.shard(..., "
+            'reads="own")` each reads only the blocks of its own rows '
+            "(docs/arrow.md)."
         )
     else:
         readers = (
@@ -865,8 +872,9 @@ def _advise_on_whole_stream_reads(dataset):
             f"the whole {' and '.join(readers)} stream and keeps its rows of "
             "each global batch. Parse and decode in `kh.data.shard(..., "
             "map_fn=...)`, which runs on each worker's own rows only; "
-            'Parquet through `kh.data.from_arrow` with `reads="own"` '
-            "reads each worker's rows alone (docs/arrow.md)."
+            "indexed TFRecords (`kh.data.from_tfrecords`) or Parquet "
+            '(`kh.data.from_arrow`) with `reads="own"` are read each '
+            "worker's rows alone (docs/arrow.md)."
         )
     _ADVISED.append(True)
     logger.warning(

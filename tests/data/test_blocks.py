@@ -205,14 +205,21 @@ def test_several_workers_reading_all_of_files_are_told_once_how_not_to(
     path = str(tmp_path / "a.tfrecord")
     with tf.io.TFRecordWriter(path) as writer:
         writer.write(b"record")
+    kh.data.index_tfrecords(path)
     cases = [
         (tf.data.Dataset.range(8), "all", None),
         (kh.data.from_arrow(tmp_path / "a.parquet", "x"), "own", None),
         (
             kh.data.from_arrow(tmp_path / "a.parquet", "x"),
             "all",
-            r"each of the 2 workers reads all 1 Parquet/Arrow file\(s\) .*"
+            r"each of the 2 workers reads all 1 file\(s\) .*"
             r'reads="own"',
+        ),
+        (kh.data.from_tfrecords(path), "own", None),
+        (
+            kh.data.from_tfrecords(path),
+            "all",
+            r"reads all 1 file\(s\) of its .*from_tfrecords",
         ),
         (
             tf.data.TFRecordDataset([path]).map(lambda r: tf.strings.length(r)),
