@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_hetero as kh
+from keras_hetero import keras
 from keras_hetero.data import blocks as blocks_lib
 from keras_hetero.data import shares as shares_lib
 from tests.conftest import DEVICES
@@ -239,3 +240,105 @@ def test_several_workers_reading_all_of_files_are_told_once_how_not_to(
         else:
             assert len(said) == 1, said  # once per process
             assert re.search(expected, said[0]), said
+
+
+class SubclassedModel(kh.HeteroModel):
+    """Built lazily, on the first batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def _model(kind):
+    keras.utils.set_random_seed(1)
+    if kind == "functional":
+        inputs = keras.Input((helpers.FEATURES,))
+        return kh.HeteroModel(inputs, keras.layers.Dense(1)(inputs))
+    if kind == "sequential":
+        return kh.HeteroSequential([keras.layers.Dense(1)])
+    return SubclassedModel()
+
+
+@pytest.mark.parametrize(
+    "kind, steps_per_execution",
+    [("functional", 1), ("sequential", 3), ("subclassed", 2)],
+)
+def test_one_worker_trains_evaluates_and_predicts_as_reads_all(
+    tmp_path, kind, steps_per_execution
+):
+    # One worker is dealt every block in order: reads="own" must train,
+    # evaluate and predict exactly as reads="all" (models built or not,
+    # several steps per call).
+    x, y, _, _ = helpers.arrays(70)
+    table = pa.table(
+        {
+            "x": pa.FixedSizeListArray.from_arrays(
+                pa.array(x.ravel()), helpers.FEATURES
+            ),
+            "y": y[:, 0],
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=9)
+    strategy = helpers.mirrored(DEVICES[:2])
+    results = []
+    for reads in ("all", "own"):
+        examples = kh.data.from_arrow(
+            tmp_path / "a.parquet", "x", label="y", shapes={"y": (1,)}
+        )
+        data = kh.data.shard(
+            examples, 16, strategy=strategy, shares=[3, 1], reads=reads
+        )
+        with strategy.scope():
+            model = _model(kind)
+            model.compile(
+                optimizer="sgd",
+                loss="mse",
+                steps_per_execution=steps_per_execution,
+            )
+        history = model.fit(data, epochs=2, verbose=0)
+        results.append(
+            (
+                history.history["loss"],
+                model.evaluate(data, verbose=0),
+                model.predict(data, verbose=0),
+                model.get_weights(),
+            )
+        )
+    (loss, evaluated, predicted, weights), own = results
+    assert own[0] == pytest.approx(loss, rel=1e-6)
+    assert own[1] == pytest.approx(evaluated, rel=1e-6)
+    np.testing.assert_allclose(own[2], predicted, rtol=1e-6)
+    helpers.assert_weights_close(own[3], weights)
+
+
+def test_a_mid_epoch_resume_needs_the_same_reads_and_workers(tmp_path):
+    # ElasticCheckpoint's restore refuses, before the first step, what
+    # would resume a reads="own" epoch on other global batches.
+    from keras_hetero.checkpointing import resume
+
+    strategy = helpers.mirrored(DEVICES[:2])
+    with strategy.scope():
+        model = helpers.hetero_model()
+    table = _ids_table(20)
+    own = kh.data.shard(
+        kh.data.from_arrow(table, "x", label="id"),
+        8,
+        strategy=strategy,
+        reads="own",
+    )
+    every = kh.data.shard(
+        kh.data.from_arrow(table, "x", label="id"), 8, strategy=strategy
+    )
+    queue = {"steps": 1, "queue": {"next": 1, "fifos": [[[0, 8, 20]]]}}
+    saved = {"num_workers": 1, "input_state": queue}
+    with pytest.raises(ValueError, match=r"read with reads='own'; this one"):
+        resume._resume_reads("ckpt-1", saved, every, model)
+    with pytest.raises(ValueError, match=r"read with reads='all'; this one"):
+        resume._resume_reads("ckpt-1", {"num_workers": 1}, own, model)
+    with pytest.raises(ValueError, match=r"by 2 worker\(s\) .* this job has 1"):
+        resume._resume_reads("ckpt-1", {**saved, "num_workers": 2}, own, model)
+    resume._resume_reads("ckpt-1", saved, own, model)  # as saved: fine
