@@ -749,24 +749,37 @@ def test_reads_own_killed_mid_epoch_resumes_exactly(tmp_path):
     kind, faults = "arrow-own", "5,13"
     data_dir = str(tmp_path / "data")
     elastic_inputs.write_files(kind, data_dir)
-    out, _, committed, restored = _run_killed(tmp_path, kind, faults, SYNC)
+    out, _, committed, _ = _run_killed(tmp_path, kind, faults, SYNC)
+    plain = _assert_as_uninterrupted(
+        tmp_path, kind, faults, SYNC, out, committed
+    )
+    # Shuffled blocks and rows: step 1 is not the first rows.
+    assert sorted(plain[1]) != list(range(len(plain[1])))
+
+
+def _assert_as_uninterrupted(tmp_path, kind, faults, flags, out, committed):
+    """Runs the job of `_run_killed` again, never killed: the killed run
+    trained its global batches and ends with its weights. Returns the
+    uninterrupted run's `{step: ids}`."""
     plain_out, plain_ckpt = str(tmp_path / "plain"), str(tmp_path / "plain-c")
+    data_dir = str(tmp_path / "data")
     result, log = _launch(
         plain_out,
         plain_ckpt,
         2,
         ["--input", kind, "--data-dir", data_dir, "--epochs", str(EPOCHS)]
-        + SYNC,
+        + flags,
         max_restarts=0,
     )
     assert result.exit_code == 0, log[-4000:]
     plain = _records(plain_out, 0)
     _assert_same_batches(committed, plain)
-    # Shuffled blocks and rows: step 1 is not the first rows.
-    assert sorted(plain[1]) != list(range(len(plain[1])))
-    final = _load(os.path.join(out, "attempt2-worker0-final.npz"))
+    final = _load(
+        os.path.join(out, f"attempt{len(faults.split(','))}-worker0-final.npz")
+    )
     uninterrupted = _load(os.path.join(plain_out, "attempt0-worker0-final.npz"))
     helpers.assert_weights_close(final, uninterrupted)
+    return plain
 
 
 def test_low_communication_killed_mid_round_resumes_exactly(tmp_path):
@@ -782,19 +795,4 @@ def test_low_communication_killed_mid_round_resumes_exactly(tmp_path):
     # Resumes start at round boundaries.
     boundaries = {0, 3, 6, 9, 10, 13, 16, 19, 20, 23, 26, 29, 30}
     assert set(restored[1:]) <= boundaries, restored
-    plain_out, plain_ckpt = str(tmp_path / "plain"), str(tmp_path / "plain-c")
-    result, log = _launch(
-        plain_out,
-        plain_ckpt,
-        2,
-        ["--input", kind, "--data-dir", data_dir, "--epochs", str(EPOCHS)]
-        + low,
-        max_restarts=0,
-    )
-    assert result.exit_code == 0, log[-4000:]
-    _assert_same_batches(committed, _records(plain_out, 0))
-    final = _load(
-        os.path.join(out, f"attempt{len(faults.split(','))}-worker0-final.npz")
-    )
-    uninterrupted = _load(os.path.join(plain_out, "attempt0-worker0-final.npz"))
-    helpers.assert_weights_close(final, uninterrupted)
+    _assert_as_uninterrupted(tmp_path, kind, faults, low, out, committed)
