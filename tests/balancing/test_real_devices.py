@@ -222,25 +222,35 @@ def test_a_slower_device_is_no_straggler_and_its_own_slowdown_is(slow_at):
     # rebalancer's job, no event. Its quota halved at step 100 (slower
     # than itself): flagged within window + patience - 2 = 10 steps.
     steps = 300 if slow_at is None else 160
-    results = kh.testing.run_workers(
-        _slower_device_worker,
-        2,
-        timeout=600,
-        args=(steps, slow_at),
-        cpu_quotas=[None, 0.3],
-        cores="auto",
-    )
-    events = results[0].value["events"]
-    rows, seconds = (np.array(a) for a in zip(*results[0].value["seen"]))
-    cost = seconds / rows
-    print(
-        "events:",
-        events,
-        "rows of worker 1 at the end:",
-        rows[-1, 1],
-        "cost per row 1 / 0 (steps 20-100):",
-        np.median(cost[20:100, 1]) / np.median(cost[20:100, 0]),
-    )
+    for attempt in range(2):
+        results = kh.testing.run_workers(
+            _slower_device_worker,
+            2,
+            timeout=600,
+            args=(steps, slow_at),
+            cpu_quotas=[None, 0.3],
+            cores="auto",
+        )
+        events = results[0].value["events"]
+        rows, seconds = (np.array(a) for a in zip(*results[0].value["seen"]))
+        cost = seconds / rows
+        ratio = np.median(cost[20:100, 1]) / np.median(cost[20:100, 0])
+        print(
+            "events:",
+            events,
+            "rows of worker 1 at the end:",
+            rows[-1, 1],
+            "cost per row 1 / 0 (steps 20-100):",
+            ratio,
+        )
+        early = [e for e in events if e[0] <= (slow_at or steps)]
+        # A quota of 0.3 makes worker 1 about 3.3x slower per row. Far
+        # from that, the host did not give the workers what the quotas
+        # say (a loaded machine: a run measured 5.2x and a 3-step false
+        # alarm): the test's premise did not hold, so it runs once more.
+        if not early or 2.5 <= ratio <= 4.5 or attempt:
+            break
+        print(f"quota ratio {ratio:.2f} not ~3.3 (a loaded host): again")
     assert results[1].value["events"] == events  # every worker alike
     if slow_at is None:
         assert len(rows) == steps
