@@ -768,13 +768,8 @@ class _Stream:
             for name in self.columns
         }
         del parts
-        rows = len(next(iter(values.values())))
-        order = np.random.default_rng(seed).permutation(rows)[skip:]
-        for start in range(0, len(order), self.batch_rows):
-            taken = order[start : start + self.batch_rows]
-            yield self._nest(
-                {name: value[taken] for name, value in values.items()}
-            )
+        for part in permuted(values, seed, skip, self.batch_rows):
+            yield self._nest(part)
 
     def dataset(self, skip, seed=-1):
         skip = tf.cast(skip, tf.int64)
@@ -797,6 +792,16 @@ class _Stream:
                 tf.data.experimental.assert_cardinality(remaining)
             )
         return examples
+
+
+def permuted(values, seed, skip, batch_rows):
+    """`{name: values}` of a whole pass, in the permutation of `seed`, from
+    its position `skip` on, `batch_rows` rows at a time."""
+    rows = len(next(iter(values.values())))
+    order = np.random.default_rng(seed).permutation(rows)[skip:]
+    for start in range(0, len(order), batch_rows):
+        taken = order[start : start + batch_rows]
+        yield {name: value[taken] for name, value in values.items()}
 
 
 def _add_skips(first, second):

@@ -140,6 +140,7 @@ class DatasetSource:
         self.num_examples = None if count < 0 else count
         self._random_access = None
         self._stages = None
+        self._readers = None
         self._map_fn_stages = None
 
     @property
@@ -164,9 +165,19 @@ class DatasetSource:
         )
 
     def unreproducible_stages(self):
+        self._inspect()
+        return list(self._stages)
+
+    def file_readers(self):
+        """The file-reading tf.data sources of the examples (their class
+        names), from the same inspection as `unreproducible_stages`."""
+        self._inspect()
+        return list(self._readers)
+
+    def _inspect(self):
         if self._stages is None:  # the pipeline never changes
             try:
-                self._stages = reproducibility.unreproducible_stages(
+                self._stages, self._readers = reproducibility.inspect(
                     self.examples
                 )
             except ValueError as error:
@@ -177,10 +188,9 @@ class DatasetSource:
                     'sure they are (docs/checkpoints.md, "Input pipelines '
                     'and exact resume").',
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-                self._stages = []
-        return list(self._stages)
+                self._stages, self._readers = [], []
 
     def map_fn_stages(self, map_fn):
         """`reproducibility.map_fn_stages` of `map_fn` (or `[]`), once."""

@@ -142,6 +142,28 @@ def unreproducible_stages(examples):
         ValueError: If the pipeline cannot be serialized for inspection
             (e.g. it captures more than 2 GB of constants).
     """
+    return inspect(examples)[0]
+
+
+# tf.data sources that read files (their op names).
+_FILE_READERS = {
+    "TFRecordDataset": "TFRecordDataset",
+    "TFRecordDatasetV2": "TFRecordDataset",
+    "FixedLengthRecordDataset": "FixedLengthRecordDataset",
+    "FixedLengthRecordDatasetV2": "FixedLengthRecordDataset",
+    "TextLineDataset": "TextLineDataset",
+}
+
+
+def inspect(examples):
+    """`(unreproducible_stages, file readers)` of `examples`, from one
+    serialization of its pipeline: the stages as `unreproducible_stages`
+    returns them, and the file-reading tf.data sources (their class names,
+    each once).
+
+    Raises:
+        ValueError: If the pipeline cannot be serialized for inspection.
+    """
     try:
         graph = _compat.dataset_graph(examples)
     except Exception as error:  # any TF error: we cannot inspect it
@@ -162,34 +184,13 @@ def unreproducible_stages(examples):
                 across_workers=True,
             )
         )
-    return stages
-
-
-# tf.data sources that read files (their op names).
-_FILE_READERS = {
-    "TFRecordDataset": "TFRecordDataset",
-    "TFRecordDatasetV2": "TFRecordDataset",
-    "FixedLengthRecordDataset": "FixedLengthRecordDataset",
-    "FixedLengthRecordDatasetV2": "FixedLengthRecordDataset",
-    "TextLineDataset": "TextLineDataset",
-}
-
-
-def file_readers(examples):
-    """The file-reading tf.data sources in `examples`' pipeline (their
-    class names, each once), or `[]` if it cannot be inspected."""
-    try:
-        graph = _compat.dataset_graph(examples)
-    except Exception:  # any TF error: nothing to say
-        return []
-    functions = [f.node_def for f in graph.library.function]
-    found = []
-    for nodes in [graph.node, *functions]:
+    readers = []
+    for nodes in [graph.node, *(f.node_def for f in graph.library.function)]:
         for node in nodes:
             name = _FILE_READERS.get(node.op)
-            if name is not None and name not in found:
-                found.append(name)
-    return found
+            if name is not None and name not in readers:
+                readers.append(name)
+    return stages, readers
 
 
 def map_fn_stages(examples, map_fn):

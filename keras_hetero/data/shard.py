@@ -861,11 +861,8 @@ def _advise_on_whole_stream_reads(dataset):
             "(docs/arrow.md)."
         )
     else:
-        readers = (
-            reproducibility.file_readers(examples)
-            if isinstance(examples, tf.data.Dataset)
-            else []
-        )
+        find = getattr(dataset._source, "file_readers", None)
+        readers = [] if find is None else find()
         if not readers:
             return
         advice = (

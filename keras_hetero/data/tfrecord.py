@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_hetero._checks import check_int
+from keras_hetero.data import arrow
 
 _HEADER = 12  # length (8) + its CRC (4)
 _FOOTER = 4  # the data's CRC
@@ -248,9 +249,9 @@ class RecordStream:
             [self.read_block(b, s)[0]["record"] for b, s in zip(blocks, first)]
             or [np.empty(0, dtype=object)]
         )
-        order = np.random.default_rng(seed).permutation(len(records))[skip:]
-        for begin in range(0, len(order), self.batch_rows):
-            yield records[order[begin : begin + self.batch_rows]]
+        values = {"record": records}
+        for part in arrow.permuted(values, seed, skip, self.batch_rows):
+            yield part["record"]
 
     def dataset(self, skip, seed=-1):
         """The records from `skip` on, in order or in a permutation of
@@ -310,8 +311,6 @@ def from_tfrecords(paths, *, records_per_block=1024):
     >>> index_tfrecords("train/")  # doctest: +SKIP
     >>> records = from_tfrecords("train/")  # doctest: +SKIP
     """
-    from keras_hetero.data import arrow
-
     records_per_block = check_int(
         "records_per_block", records_per_block, 1, "a positive integer"
     )
