@@ -79,7 +79,11 @@ class ElasticCheckpoint(base.HeteroCallback):
     docs/checkpoints.md for the table and the fix for each. Python stages
     (`from_generator`, `py_function`) cannot be inspected: they must
     produce the same examples in the same order in every process. Metrics
-    of the resumed epoch cover its remaining steps.
+    of the resumed epoch cover its remaining steps. Under a tf.data service
+    input (`kh.data.shard(service=...)`), whose hand-out of rows to workers
+    no checkpoint can hold, it saves only at epochs' ends (a save due
+    mid-epoch is made at the epoch's last step; a signal mid-epoch stops
+    without one) and a restart trains the interrupted epoch again.
 
     Args:
         directory: Where checkpoints go; created if missing.
@@ -174,6 +178,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         self._pending_states = None
         self._companions = []
         self._dataset = None
+        self._epoch_ends_only = False
         self._reset_counters()
 
     # --- what HeteroModel.fit calls (the HeteroCallback protocol) ---------
@@ -210,6 +215,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             )
         self._checks.reproducible_input(dataset)
         self._dataset = dataset
+        self._epoch_ends_only = getattr(dataset, "reads", "all") == "service"
         self._companions = [
             c
             for c in context.callbacks
@@ -264,6 +270,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         self._examples_in_epoch = 0
         self._global_step = 0
         self._since_save = 0
+        self._save_pending = False
         self._last_save_time = None
         self._writer.reset_timings()
         self._stop.reset()
@@ -325,13 +332,35 @@ class ElasticCheckpoint(base.HeteroCallback):
         if local is not None:
             self._low_communication_batch_end(local)
             return
+        if self._epoch_ends_only and not self._epoch_complete():
+            self._service_batch_end()
+            return
         if self._stop.due(self.model, self._global_step):
             self.preempted = True
             self.save_now()
             self.model.stop_training = True
             return
-        if self._chief and self.save_due():
+        if self._chief and (self._save_pending or self.save_due()):
+            self._save_pending = False
             self._save(wait=not self.async_save)
+
+    def _service_batch_end(self):
+        """Mid-epoch under a tf.data service input, which resumes only at
+        an epoch's end (which rows each worker trained was the service's
+        hand-out): a save that comes due is made at the epoch's last step;
+        a signal stops without one, and a restart trains the epoch again
+        from its start."""
+        if self._stop.due(self.model, self._global_step):
+            self.preempted = True
+            self.model.stop_training = True
+            logger.warning(
+                "ElasticCheckpoint: stopping without a save (tf.data "
+                "service input, mid-epoch); a restart resumes from the "
+                "newest checkpoint, at an epoch's end."
+            )
+            return
+        if self._chief and self.save_due():
+            self._save_pending = True
 
     def _low_communication_batch_end(self, local):
         """Under low-communication training a checkpoint is taken right
@@ -410,7 +439,8 @@ class ElasticCheckpoint(base.HeteroCallback):
             # Every worker ends here (whether the chief saves: only it knows).
             self._save_at_round_end(local, write=self._since_save > 0)
         elif self._since_save and not self.preempted:
-            self.save_now()
+            if not self._epoch_ends_only or self._epoch_complete():
+                self.save_now()
         self._writer.join()
         self._writer.raise_error()
         self._dataset = None

@@ -349,9 +349,19 @@ def _resume_reads(path, state, dataset, model):
 
     Raises:
         ValueError: If one run read with `reads="own"` and the other not,
-            or the worker count changed under `reads="own"`.
+            the worker count changed under `reads="own"`, or this job
+            reads through a tf.data service.
     """
     reads = getattr(dataset, "reads", "all")
+    if reads == "service":
+        raise ValueError(
+            f"Checkpoint {path} was saved mid-epoch; this job reads "
+            "through a tf.data service, which cannot resume an epoch part "
+            "way (which rows each worker trained was the service's "
+            "hand-out, which no checkpoint holds). Resume from a checkpoint "
+            "saved at an epoch's end (ElasticCheckpoint saves only there "
+            "under a service input), or with the saved run's input."
+        )
     saved = state.get("input_state")
     if (saved is not None) != (reads == "own"):
         raise ValueError(

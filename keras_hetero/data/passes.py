@@ -314,18 +314,7 @@ class BlockSource:
         """One pass's global batches as their row counts."""
 
         def start():
-            skip, number, seed = start_pass()
-            order_seed = None if shuffle is None else pass_seed(seed, number)
-            state = None
-            if skip:
-                state, self._resume = self._resume, None
-                if state is None:
-                    raise ValueError(
-                        f"Resuming pass {number} after {skip} examples "
-                        'under `reads="own"` needs the block queue\'s state '
-                        "of that step, which the checkpoint does not hold."
-                    )
-            return np.int64(self.reader.start_pass(number, order_seed, state))
+            return np.int64(self.start_reader(*start_pass(), shuffle))
 
         left = tf.numpy_function(start, [], tf.int64, stateful=True)
         left.set_shape([])
@@ -335,13 +324,37 @@ class BlockSource:
             lambda step: tf.minimum(size, left - step * size)
         )
 
-    @property
-    def element_spec(self):
-        """The spec of a batch of rows `read` returns."""
-        return self.examples.stream.spec()
+    def start_reader(self, skip, number, seed, shuffle):
+        """Starts pass `number` on this worker's reader, `skip` examples
+        in (a resumed pass).
 
-    def read(self, bounds):
-        """This worker's rows of a global batch with replica `bounds`."""
+        Returns:
+            The rows the pass has left to train.
+        """
+        order_seed = None if shuffle is None else pass_seed(seed, number)
+        state = None
+        if skip:
+            state, self._resume = self._resume, None
+            if state is None:
+                raise ValueError(
+                    f"Resuming pass {number} after {skip} examples "
+                    'under `reads="own"` needs the block queue\'s state '
+                    "of that step, which the checkpoint does not hold."
+                )
+        return self.reader.start_pass(number, order_seed, state)
+
+    def read(self, bounds, first, count):
+        """This worker's rows of a global batch.
+
+        Args:
+            bounds: The global batch's replica row bounds.
+            first: This worker's first replica.
+            count: This worker's replicas.
+
+        Returns:
+            `(rows, local bounds)`: the rows of this worker's replicas, and
+            their `count + 1` bounds in them.
+        """
         stream = self.examples.stream
         spec = stream.spec()
         flat_spec = tf.nest.flatten(spec)
@@ -357,4 +370,5 @@ class BlockSource:
         )
         for tensor, s in zip(flat, flat_spec):
             tensor.set_shape(s.shape)
-        return tf.nest.pack_sequence_as(spec, flat)
+        local = bounds[first : first + count + 1]
+        return tf.nest.pack_sequence_as(spec, flat), local - local[0]

@@ -13,6 +13,7 @@ from keras_hetero._checks import check_int
 from keras_hetero.data import bounds as bounds_lib
 from keras_hetero.data import passes as passes_lib
 from keras_hetero.data import reproducibility
+from keras_hetero.data import service as service_lib
 from keras_hetero.data import shares as shares_lib
 from keras_hetero.data import split as split_lib
 
@@ -86,8 +87,12 @@ class HeteroDataset:
         seed=None,
         first_pass=0,
         reads="all",
+        service=None,
     ):
-        if reads == "own":
+        if service is not None:
+            self._source = service_lib.ServiceSource(examples, service)
+            self._source.bind(global_batch_size)
+        elif reads == "own":
             self._source = passes_lib.BlockSource(examples)
         elif hasattr(examples, "pass_batches"):
             self._source = examples
@@ -258,20 +263,24 @@ class HeteroDataset:
     @property
     def reads(self):
         """`"own"`: each worker reads only the blocks of its replicas' rows
-        (`kh.data.shard(reads="own")`); `"all"`: every worker reads every
-        example."""
-        return (
-            "own" if isinstance(self._source, passes_lib.BlockSource) else "all"
-        )
+        (`kh.data.shard(reads="own")`); `"service"`: each worker pulls its
+        replicas' rows from a tf.data service (`kh.data.shard(service=)`);
+        `"all"`: every worker reads every example."""
+        if isinstance(self._source, service_lib.ServiceSource):
+            return service_lib.SERVICE
+        if isinstance(self._source, passes_lib.BlockSource):
+            return "own"
+        return "all"
 
     @property
     def reads_done(self):
-        """Under `reads="own"`, what this worker has read so far:
-        `{"bytes": ..., "rows": ..., "passes": {pass: {"bytes": ...,
-        "rows": ...}}}` (bytes: for Parquet the column chunks' compressed
-        sizes from the footers; for IPC and tables the record batches'
-        sizes), also per pass over the data (a pipeline may read ahead into
-        the next pass). None under `reads="all"`."""
+        """Under `reads="own"` or a service input, what this worker has
+        read so far: `{"bytes": ..., "rows": ..., "passes": {pass:
+        {"bytes": ..., "rows": ...}}}` (bytes: for Parquet the column
+        chunks' compressed sizes from the footers; for IPC and tables the
+        record batches' sizes; from a service the rows' bytes as
+        received), also per pass over the data (a pipeline may read ahead
+        into the next pass). None under `reads="all"`."""
         reader = getattr(self._source, "reader", None)
         if reader is None:
             return None
@@ -367,6 +376,9 @@ class HeteroDataset:
                 f'repeat={repeat!r}. Expected False, True or "epochs".'
             )
         self._order.choose_seed(self.strategy)
+        agree = getattr(self._source, "agree", None)
+        if agree is not None:
+            agree(self.strategy)
         key = (
             repeat,
             None
@@ -639,6 +651,7 @@ def shard(
     shuffle=None,
     seed=None,
     reads="all",
+    service=None,
 ):
     """Splits global batches of `examples` across replicas by `shares`.
 
@@ -706,6 +719,20 @@ def shard(
             with `shuffle=True` the block order and the rows within each
             block are shuffled per pass. Every example is still trained
             once per epoch, whatever the shares do. Defaults to `"all"`.
+        service: A tf.data service dispatcher (`"grpc://host:port"`,
+            `"host:port"` or a
+            `tf.data.experimental.service.DispatchServer`): the service's
+            workers run `examples` (their whole pipeline, reading and
+            parsing included) once per epoch in `"distributed_epoch"`
+            mode, and each training worker pulls the rows of its
+            replicas, step by step as the shares ask. The number of
+            examples must be known; every example the service hands out
+            trains once per epoch, a worker that runs out early trains
+            fewer rows at the epoch's end, and the others train what they
+            still hold at its last step. Not with `shuffle` (shuffle in
+            the pipeline), `reads="own"` or ParameterServerStrategy;
+            `ElasticCheckpoint` saves only at epochs' ends (docs/arrow.md,
+            "Three ways to read"). Defaults to `None`.
 
     Returns:
         A `kh.data.HeteroDataset`.
@@ -753,6 +780,8 @@ def shard(
     shuffle = check_shuffle(shuffle, examples)
     seed = check_seed(seed)
     _check_reads(reads, examples, shuffle, strategy)
+    if service is not None:
+        service = _check_service(service, reads, examples, shuffle, strategy)
     dataset = HeteroDataset(
         examples,
         int(global_batch_size),
@@ -762,6 +791,7 @@ def shard(
         shuffle=shuffle,
         seed=seed,
         reads=reads,
+        service=service,
     )
     _check_same_order_on_workers(dataset)
     return dataset
@@ -809,6 +839,41 @@ def _check_reads(reads, examples, shuffle, strategy):
             "whole global batches of their own stream. Expected "
             'reads="all" there.'
         )
+
+
+def _check_service(service, reads, examples, shuffle, strategy):
+    """The checked dispatcher address of a service input.
+
+    Raises:
+        ValueError: With `reads="own"`, `shuffle`, examples of unknown
+            number, ParameterServerStrategy, or an address that is not one
+            or that nothing listens on.
+    """
+    problem = None
+    if reads != "all":
+        problem = f"reads={reads!r} (the service's workers read the data)"
+    elif shuffle is not None:
+        problem = (
+            f"shuffle={shuffle!r} (shuffle in the examples' pipeline, which "
+            "the service runs)"
+        )
+    elif int(examples.cardinality()) < 0:
+        problem = (
+            "examples of unknown number (every worker must know a pass's "
+            "steps; apply "
+            "`tf.data.experimental.assert_cardinality(n)` to them)"
+        )
+    elif _distribute.is_parameter_server(strategy):
+        problem = (
+            "ParameterServerStrategy (its workers each train whole global "
+            "batches of their own stream)"
+        )
+    if problem is not None:
+        raise ValueError(
+            "Invalid value for argument `service`: a tf.data service input "
+            f"does not go with {problem}. Received: service={service!r}."
+        )
+    return service_lib.check_address(service)
 
 
 def _check_same_order_on_workers(dataset):

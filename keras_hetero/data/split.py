@@ -30,10 +30,11 @@ def replica_pipeline(
         map_fn: Run on each replica's rows after the split, or None.
         class_weight: `{class: weight}` applied after `map_fn`, or None.
         options: `tf.data.Options` for the pipeline, or None.
-        read: Under `reads="own"`, the `passes.BlockSource` that reads
-            this worker's rows once a batch's bounds are known; `batches`
-            then hold each global batch's row count. None: `batches` hold
-            the global batches.
+        read: Under `reads="own"` or a tf.data service, the
+            `passes.BlockSource` that reads this worker's rows once a
+            batch's bounds are known (`read(bounds, first, count)`);
+            `batches` then hold each global batch's row count. None:
+            `batches` hold the global batches.
 
     Returns:
         A `tf.data.Dataset` giving the worker's replicas their slices in
@@ -47,21 +48,18 @@ def replica_pipeline(
         if read is None:
             total = _batches.batch_rows(batch)
             bounds = mirror.bounds(index, total)
+            local = bounds[first_replica : first_replica + local_replicas + 1]
         else:
-            bounds = mirror.bounds(index, batch)
             # Only this worker's rows, its replicas' in order.
-            batch = read.read(bounds)
-            bounds = bounds - bounds[first_replica]
-            total = bounds[first_replica + local_replicas]
-        if stacked:
-            return _gather_padded(
-                batch,
-                bounds[first_replica : first_replica + local_replicas + 1],
-                total,
+            batch, local = read.read(
+                mirror.bounds(index, batch), first_replica, local_replicas
             )
+            total = local[-1]
+        if stacked:
+            return _gather_padded(batch, local, total)
         slices = []
-        for replica in range(first_replica, first_replica + local_replicas):
-            start, end = bounds[replica], bounds[replica + 1]
+        for replica in range(local_replicas):
+            start, end = local[replica], local[replica + 1]
             slices.append(
                 tf.nest.map_structure(
                     lambda t, start=start, end=end: t[start:end], batch

@@ -140,6 +140,13 @@ def predict(model, keras_predict, x, args, kwargs):
     converted = arrays.predict_arguments(model, x, args, kwargs)
     if converted is not None:
         x, args, kwargs = converted.pop("x"), (), converted
+    if isinstance(x, HeteroDataset) and x.reads == "service":
+        raise ValueError(
+            "`predict` over a tf.data service input "
+            "(`kh.data.shard(service=...)`) would return the predictions "
+            "in the order the workers received the examples, not theirs. "
+            "Predict over `kh.data.shard(examples, ...)` without `service`."
+        )
     _default_steps(x, args, kwargs)
     return keras_predict(as_input(model, x), *args, **kwargs)
 

@@ -159,3 +159,40 @@ def fit_tfrecord_ids_mwms(directory, global_batch, records_per_block):
         "changes": len(rebalancer.changes),
         "read": data.reads_done,
     }
+
+
+def fit_service_ids_mwms(address, ledger_folder, rows, global_batch):
+    """2-worker fit from a tf.data service with ShardRebalancer and an
+    exactly-once ledger: decisions, weights, rows received per pass."""
+    import tensorflow as tf
+
+    import keras_hetero as kh
+    from keras_hetero._compat import keras
+    from tests.support import helpers
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    ledger = kh.testing.Ledger(ledger_folder)
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        # SIMULATED speeds: worker 0's replica is 8x slower per row.
+        model = helpers.id_model(ledger, [0.004, 0.0005])
+    initial = model.get_weights()
+    data = kh.data.shard(
+        helpers.id_examples(rows),
+        global_batch,
+        strategy=strategy,
+        service=address,
+    )
+    rebalancer = kh.callbacks.ShardRebalancer(
+        data, every_n_steps=2, warmup_steps=1, window=2, tolerance=0.0
+    )
+    model.fit(data, epochs=2, verbose=0, callbacks=[ledger, rebalancer])
+    return {
+        "changes": [
+            (step, [round(float(v), 12) for v in shares])
+            for step, _, shares in rebalancer.changes
+        ],
+        "initial": initial,
+        "weights": model.get_weights(),
+        "read": data.reads_done,
+    }
