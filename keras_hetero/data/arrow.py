@@ -25,6 +25,32 @@ _PARQUET_BUFFER_BYTES = 1 << 20
 _GLOB_CHARACTERS = "*?["
 
 
+def file_version(path):
+    """`(size, modification time in ns)` of the file at `path`."""
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
+
+
+def check_unchanged(path, version):
+    """Raises if the file at `path` is no longer at `version`
+    (`file_version` when the job listed it).
+
+    Raises:
+        ValueError: Naming the file, both sizes and both times.
+    """
+    now = file_version(path)
+    if now != version:
+        raise ValueError(
+            f"{path!r} changed while the job reads it: {version[0]} bytes "
+            f"modified at {version[1]} ns when it was listed, now "
+            f"{now[0]} bytes modified at {now[1]} ns. An epoch would mix "
+            "rows of both versions (and the row counts and offsets read "
+            "at the start no longer hold). Expected files that stay as "
+            "they are while training: write new data to new files and "
+            "restart the job on them."
+        )
+
+
 def _pyarrow():
     """Imports pyarrow, or says how to install it."""
     try:
@@ -292,6 +318,7 @@ class _ParquetFile:
     def __init__(self, pa, path):
         self.pa = pa
         self.path = path
+        self.version = file_version(path)
         with pa.parquet.ParquetFile(path) as parquet_file:
             self.metadata = parquet_file.metadata
             self.schema = parquet_file.schema_arrow
@@ -332,6 +359,7 @@ class _ParquetFile:
             for index in range(metadata.num_columns)
             if metadata.column(index).path_in_schema.split(".")[0] in names
         )
+        check_unchanged(self.path, self.version)
         parquet_file = self.pa.parquet.ParquetFile(
             self.path, metadata=self.metadata, pre_buffer=False
         )
@@ -350,6 +378,7 @@ class _ParquetFile:
         while first < len(groups) and skip >= groups[first]:
             skip -= groups[first]
             first += 1
+        check_unchanged(self.path, self.version)
         parquet_file = self.pa.parquet.ParquetFile(
             self.path,
             metadata=self.metadata,
@@ -382,6 +411,7 @@ class _IpcFile:
     def __init__(self, pa, path):
         self.pa = pa
         self.path = path
+        self.version = file_version(path)
         with pa.memory_map(path) as mapped:
             reader = pa.ipc.open_file(mapped)
             self.schema = reader.schema
@@ -401,6 +431,7 @@ class _IpcFile:
 
     def read_block(self, index, names):
         """Record batch `index`'s columns `names`, and their bytes."""
+        check_unchanged(self.path, self.version)
         with self.pa.memory_map(self.path) as mapped:
             batch = self.pa.ipc.open_file(mapped).get_batch(index)
             batch = batch.select(names)
@@ -408,6 +439,7 @@ class _IpcFile:
 
     def batches(self, skip, names, batch_rows):
         # Memory-mapped: a skipped record batch is mapped, never converted.
+        check_unchanged(self.path, self.version)
         with self.pa.memory_map(self.path) as mapped:
             reader = self.pa.ipc.open_file(mapped)
             for index in range(reader.num_record_batches):

@@ -179,6 +179,7 @@ class RecordStream:
     def __init__(self, files, records_per_block):
         self.files = files
         self.batch_rows = records_per_block
+        self._versions = [arrow.file_version(path) for path in files]
         self._index = [_read_index(path) for path in files]
         self.num_rows = int(sum(len(sizes) for _, sizes in self._index))
         self.description = f"{len(files)} TFRecord file(s)"
@@ -199,6 +200,7 @@ class RecordStream:
         number, start, count = block
         offsets, sizes = self._index[number]
         path = self.files[number]
+        arrow.check_unchanged(path, self._versions[number])
         low = int(offsets[start])
         high = int(offsets[start + count - 1] + sizes[start + count - 1])
         with open(path, "rb") as file:

@@ -126,3 +126,18 @@ def test_two_workers_each_read_their_own_records(tmp_path):
             for number in (0, 1)
         )
         assert 2 * whole <= read <= 1.10 * 2 * whole, (what, read, whole)
+
+
+def test_a_file_changed_under_a_running_job_is_named(tmp_path):
+    directory, paths = _records(tmp_path)
+    kh.data.index_tfrecords(directory)
+    data = kh.data.shard(
+        kh.data.from_tfrecords(directory, records_per_block=6),
+        16,
+        reads="own",
+        map_fn=arrow_workers.parse_id_records,
+    )
+    assert len(list(data.as_distributed_dataset())) == 3
+    os.utime(paths[0], ns=(1, 1))  # the same bytes, another time
+    with pytest.raises(Exception, match=r"00000.tfrecord' changed while"):
+        list(data.as_distributed_dataset())
