@@ -277,12 +277,12 @@ KILLS = {
 LEGACY_KILLS = {"shard": "10,17"}
 
 
-def _run_killed(tmp_path, kind, faults, save, name="out"):
+def _run_killed(tmp_path, kind, faults, save, name="out", data_dir=None):
     """A 2-worker launcher job of `kind` whose worker 1 is killed (SIGKILL)
     at each step of `faults` in turn; returns the committed ids per step
     and the step each attempt resumed after."""
     out, ckpt = str(tmp_path / name), str(tmp_path / (name + "-ckpt"))
-    data_dir = str(tmp_path / "data")
+    data_dir = data_dir or str(tmp_path / "data")
     fault_steps = [int(step) for step in faults.split(",") if step]
     result, log = _launch(
         out,
@@ -755,6 +755,22 @@ def test_reads_own_killed_mid_epoch_resumes_exactly(tmp_path):
     )
     # Shuffled blocks and rows: step 1 is not the first rows.
     assert sorted(plain[1]) != list(range(len(plain[1])))
+
+
+@pytest.mark.slow
+def test_service_input_killed_mid_epoch_trains_that_epoch_again(tmp_path):
+    # A tf.data service input (dispatcher and two service workers in this
+    # process): checkpoints only at epochs' ends even with a save every
+    # step, so worker 1 killed mid-epoch 1 (step 14) makes the job resume
+    # after step 10 and train epoch 1 again from its start, on a new
+    # service job; the ledger shows every finished epoch exactly once.
+    dispatcher, workers, address = helpers.tf_data_service()
+    _, _, committed, restored = _run_killed(
+        tmp_path, "service", "14", SYNC, data_dir=address
+    )
+    assert restored == [0, 10]
+    assert len(committed) == 3 * 10
+    del dispatcher, workers
 
 
 def _assert_as_uninterrupted(tmp_path, kind, faults, flags, out, committed):

@@ -8,7 +8,6 @@ import signal
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_hetero as kh
 from keras_hetero._compat import keras
@@ -16,22 +15,13 @@ from tests.conftest import DEVICES
 from tests.support import arrow_workers
 from tests.support import helpers
 
-_service = tf.data.experimental.service
-
 
 @pytest.fixture(scope="module")
 def dispatcher():
     """A dispatcher with two service workers, in this process."""
-    server = _service.DispatchServer()
-    address = server.target.split("://")[1]
-    workers = [
-        _service.WorkerServer(_service.WorkerConfig(dispatcher_address=address))
-        for _ in range(2)
-    ]
-    yield server
-    for worker in workers:
-        worker._stop()
-    server._stop()
+    server, workers, address = helpers.tf_data_service()
+    yield address
+    del server, workers
 
 
 def _replica_ids(strategy, data):
@@ -52,7 +42,7 @@ def test_every_example_once_per_pass_rows_by_shares(dispatcher):
         16,
         strategy=strategy,
         shares=[3, 1],
-        service=dispatcher.target,
+        service=dispatcher,
     )
     assert data.reads == "service" and data.num_batches == 4
     for _ in range(2):  # a new service job per pass
@@ -231,7 +221,7 @@ def test_two_workers_pull_their_rows_from_one_service_job(dispatcher, tmp_path):
         arrow_workers.fit_service_ids_mwms,
         2,
         timeout=240,
-        args=(dispatcher.target, str(tmp_path / "ledger"), rows, global_batch),
+        args=(dispatcher, str(tmp_path / "ledger"), rows, global_batch),
     )
     first, second = (r.value for r in results)
     assert first["changes"] == second["changes"] and first["changes"]

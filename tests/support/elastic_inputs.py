@@ -26,6 +26,7 @@ KINDS = (
     "arrow-own",
     "tfrecord",
     "augment",
+    "service",
 )
 
 
@@ -117,6 +118,16 @@ def dataset(kind, batch, strategy, data_dir=None):
             seed=SEED,
             shares=[3, 1],
             reads="own",
+        )
+    elif kind == "service":
+        # Rows pulled from a tf.data service job per epoch; `data_dir` is
+        # the dispatcher's address. Worker 0's replica takes 3 rows in 4.
+        return kh.data.shard(
+            helpers.id_examples(ROWS),
+            batch,
+            strategy=strategy,
+            shares=[3, 1],
+            service=data_dir,
         )
     elif kind == "tfrecord":
         # A shuffled file list, fixed across epochs and reproducible in a

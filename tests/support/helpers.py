@@ -281,3 +281,22 @@ class LogCount(logging.Handler):
 
     def emit(self, record):
         self.count += self.text in record.getMessage()
+
+
+def tf_data_service(workers=2):
+    """A tf.data service in this process on 127.0.0.1: `(dispatcher,
+    service workers, the dispatcher's "grpc://127.0.0.1:port")`."""
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer()
+    port = dispatcher.target.rsplit(":", 1)[1]
+    address = f"127.0.0.1:{port}"
+    servers = [
+        service.WorkerServer(
+            service.WorkerConfig(
+                dispatcher_address=address,
+                worker_address="127.0.0.1:%port%",
+            )
+        )
+        for _ in range(workers)
+    ]
+    return dispatcher, servers, f"grpc://{address}"
