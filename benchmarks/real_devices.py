@@ -17,6 +17,18 @@ of the last `--tail` steps of one epoch (the epoch boundary excluded). The
 ideal is measured: each worker's quota and core alone, one process training
 the whole global batch; ideal = the sum of those rates.
 
+Input table (`--tables input`): the rebalanced pair of `--input-model`
+(the ResNet by default) on capacities 1:2, its input from memory (twice:
+the A/A row) and from files, each worker reading only its own blocks
+(`kh.data.shard(reads="own")`): Parquet through `kh.data.from_arrow`, and
+indexed TFRecords through `kh.data.from_tfrecords` parsed in `map_fn`
+(float32 pixels, as in memory). Rounds alternate the sources. Then, in the
+benchmark's own process (both cores, no quota): each input pipeline alone
+(`kh.data.shard` over the source, a whole pass consumed by
+`Dataset.reduce`, no model) in rows/s, against the same model trained
+alone in one process on input from memory: above 1, the input delivers
+rows faster than the model trains them.
+
 Straggler table: two equal workers (no cap) train for `--straggler-steps`
 steps; before step `--drop-at` worker 1's quota drops to `--drop-to` of its
 core (`kh.testing.ThrottleAt`). We report the steps from the drop to
@@ -30,6 +42,7 @@ runs one tiny case of each table in seconds.
 
 import json
 import os
+import shutil
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -66,11 +79,20 @@ def _task_index():
     return json.loads(os.environ.get("TF_CONFIG", "{}"))["task"]["index"]
 
 
-def _train(model_kind, mode, steps, throttle, callbacks=(), global_batch=None):
+def _train(
+    model_kind,
+    mode,
+    steps,
+    throttle,
+    callbacks=(),
+    global_batch=None,
+    source=None,
+):
     """One fit of `steps` steps on this worker; returns what worker 0 keeps.
 
     `mode`: "equal" / "rebalanced" (HeteroModel on `kh.data.shard`) or
-    "stock" (the flavour's keras.Model on `dataset.batch`).
+    "stock" (the flavour's keras.Model on `dataset.batch`). `source`:
+    None (memory) or `(kind, directory)` of files read with reads="own".
     """
     import tensorflow as tf
 
@@ -91,7 +113,10 @@ def _train(model_kind, mode, steps, throttle, callbacks=(), global_batch=None):
     if mode == "stock":
         data = dataset.batch(global_batch, drop_remainder=True)
     else:
-        data = kh.data.shard(dataset, global_batch, strategy=strategy)
+        if source is None:
+            data = kh.data.shard(dataset, global_batch, strategy=strategy)
+        else:
+            data = _file_input(source, global_batch, strategy)
         if mode == "rebalanced":
             callbacks.append(
                 kh.callbacks.ShardRebalancer(data, every_n_steps=5, window=5)
@@ -103,8 +128,142 @@ def _train(model_kind, mode, steps, throttle, callbacks=(), global_batch=None):
     return {"seconds": timer.seconds, "shares": shares}
 
 
-def _rebalance_worker(model_kind, mode, steps, throttle):
-    return _train(model_kind, mode, steps, throttle)
+# The input table's sources: name -> files read with reads="own" (None:
+# memory). Rows of `_train`'s model kind, written by `write_files`.
+SOURCES = {
+    "memory": None,
+    "memory (A/A)": None,
+    'Parquet, reads="own"': "parquet",
+    'indexed TFRecords, reads="own"': "tfrecord",
+}
+
+
+def write_files(model_kind, rows, directory):
+    """`examples(model_kind, rows)` as Parquet and as indexed TFRecords
+    (files of about 1,000 rows; row groups and blocks of 128)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    x, y = examples(model_kind, rows)
+    flat = x.reshape(rows, -1)
+    for kind in ("parquet", "tfrecord"):
+        os.makedirs(os.path.join(directory, kind), exist_ok=True)
+    for number, part in enumerate(
+        np.array_split(np.arange(rows), rows // 1000)
+    ):
+        table = pa.table(
+            {
+                "x": pa.FixedSizeListArray.from_arrays(
+                    pa.array(flat[part].ravel()), flat.shape[1]
+                ),
+                "y": y[part],
+            }
+        )
+        name = f"part-{number:05d}"
+        pq.write_table(
+            table,
+            os.path.join(directory, "parquet", name + ".parquet"),
+            row_group_size=128,
+        )
+        path = os.path.join(directory, "tfrecord", name + ".tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for row in part:
+                features = {
+                    "x": tf.train.Feature(
+                        float_list=tf.train.FloatList(value=flat[row])
+                    ),
+                    "y": tf.train.Feature(
+                        int64_list=tf.train.Int64List(value=[y[row]])
+                    ),
+                }
+                writer.write(
+                    tf.train.Example(
+                        features=tf.train.Features(feature=features)
+                    ).SerializeToString()
+                )
+    kh.data.index_tfrecords(os.path.join(directory, "tfrecord"))
+    return x.shape[1:]
+
+
+def _file_input(source, global_batch, strategy):
+    """`kh.data.shard(reads="own")` over `source = (kind, directory,
+    example shape)`."""
+    import tensorflow as tf
+
+    kind, directory, shape = source
+    shape = tuple(shape)
+    if kind == "parquet":
+        examples_ = kh.data.from_arrow(
+            directory, "x", label="y", shapes={"x": shape}
+        )
+        map_fn = None
+    else:
+        examples_ = kh.data.from_tfrecords(directory, records_per_block=128)
+        size = int(np.prod(shape))
+
+        def map_fn(records):
+            parsed = tf.io.parse_example(
+                records,
+                {
+                    "x": tf.io.FixedLenFeature([size], tf.float32),
+                    "y": tf.io.FixedLenFeature([], tf.int64),
+                },
+            )
+            x = tf.reshape(parsed["x"], (-1, *shape))
+            return x, tf.cast(parsed["y"], tf.int32)
+
+    return kh.data.shard(
+        examples_, global_batch, strategy=strategy, reads="own", map_fn=map_fn
+    )
+
+
+def _pipeline_alone(make_data, rounds):
+    """Rows/s of the input pipeline `make_data()` (a HeteroDataset under
+    the default strategy) alone, no model: the median over `rounds` runs
+    of five passes, each consumed by `Dataset.reduce` (no Python per
+    batch)."""
+    import time
+
+    import tensorflow as tf
+
+    rates = []
+    for _ in range(rounds):
+        data = make_data()
+        # One batch first (the files in the page cache, as in training),
+        # then five passes: one pass's start (an iterator, the first
+        # blocks) is amortized, not the rate.
+        batches = data.as_distributed_dataset(repeat=True)
+        first = iter(batches.take(1))
+        next(first)
+        batches = batches.skip(1).take(5 * data.num_batches)
+        started = time.perf_counter()
+        rows = batches.reduce(
+            tf.constant(0, tf.int64),
+            lambda total, batch: total + tf.shape(batch[1], tf.int64)[0],
+        )
+        rates.append(int(rows) / (time.perf_counter() - started))
+    return float(np.median(rates))
+
+
+def _model_alone(model_kind, steps, tail):
+    """Samples/s of `model_kind` trained alone in this process (all its
+    cores, input from memory): the median of the last `tail` steps."""
+    import tensorflow as tf
+
+    global_batch = GLOBAL_BATCH[model_kind]
+    x, y = examples(model_kind, global_batch * steps)
+    model = compile_model(build_model(model_kind, kh.HeteroModel))
+    timer = kh.testing.StepTimer()
+    data = kh.data.shard(
+        tf.data.Dataset.from_tensor_slices((x, y)), global_batch
+    )
+    model.fit(data, epochs=1, verbose=0, callbacks=[timer])
+    return global_batch / float(np.median(timer.seconds[-tail:]))
+
+
+def _rebalance_worker(model_kind, mode, steps, throttle, source=None):
+    return _train(model_kind, mode, steps, throttle, source=source)
 
 
 def _rate(result, global_batch, tail):
@@ -192,6 +351,88 @@ def rebalance_table(models, cases, steps, tail, throttle, timeout):
     return markdown_table(columns, rows)
 
 
+def input_table(model_kind, steps, tail, throttle, timeout, rounds):
+    """The input table (see the module's docstring): rounds alternating
+    the sources; medians per source."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="real_devices_input")
+    try:
+        return _input_table(
+            model_kind, steps, tail, throttle, timeout, rounds, directory
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _input_table(model_kind, steps, tail, throttle, timeout, rounds, directory):
+    global_batch = GLOBAL_BATCH[model_kind]
+    quotas = CASES["1:2"]
+    shape = write_files(model_kind, (steps + 1) * global_batch, directory)
+    rates = {name: [] for name in SOURCES}
+    for _ in range(rounds):
+        for name, kind in SOURCES.items():
+            source = None
+            if kind is not None:
+                source = (kind, os.path.join(directory, kind), list(shape))
+            results = kh.testing.run_workers(
+                _rebalance_worker,
+                len(quotas),
+                timeout=timeout,
+                args=(model_kind, "rebalanced", steps, throttle, source),
+                cpu_quotas=list(quotas),
+                cores="auto",
+                throttle=throttle,
+            )
+            rate = _rate(results[0].value, global_batch, tail)
+            rates[name].append(rate)
+            print(f"  {name}: {rate:.0f} samples/s", flush=True)
+    # In this process, after the pairs: each pipeline alone, and the model
+    # alone on one process with the whole machine.
+    import tensorflow as tf
+
+    x, y = examples(model_kind, (steps + 1) * global_batch)
+    makers = {
+        "memory": lambda: kh.data.shard(
+            tf.data.Dataset.from_tensor_slices((x, y)), global_batch
+        )
+    }
+    for name, kind in SOURCES.items():
+        if kind is not None:
+            source = (kind, os.path.join(directory, kind), list(shape))
+            makers[name] = lambda source=source: _file_input(
+                source, global_batch, tf.distribute.get_strategy()
+            )
+    model_rate = _model_alone(model_kind, steps, tail)
+    print(
+        f"  {model_kind} alone in one process: {model_rate:.0f} samples/s",
+        flush=True,
+    )
+    memory = float(np.median(rates["memory"]))
+    columns = [
+        "input",
+        "rebalanced pair, samples/s (median)",
+        "vs memory",
+        "pipeline alone, rows/s",
+        f"pipeline alone / {model_kind} alone",
+    ]
+    rows = []
+    for name, found in rates.items():
+        alone = ""
+        if name in makers:
+            alone = _pipeline_alone(makers[name], rounds)
+        rows.append(
+            [
+                name,
+                f"{np.median(found):.0f}",
+                f"{np.median(found) / memory:.3f}",
+                f"{alone:.0f}" if alone else "",
+                f"{alone / model_rate:.1f}x" if alone else "",
+            ]
+        )
+    return markdown_table(columns, rows)
+
+
 def _straggler_worker(model_kind, steps, drop_at, drop_to, global_batch):
     detector = kh.callbacks.StragglerDetector()
     callbacks = [detector]
@@ -275,8 +516,10 @@ def main():
     parser.add_argument("--drop-to", type=float, default=0.5)
     parser.add_argument("--straggler-runs", type=int, default=2)
     parser.add_argument(
-        "--tables", nargs="+", default=["rebalance", "straggler"]
+        "--tables", nargs="+", default=["rebalance", "straggler", "input"]
     )
+    parser.add_argument("--input-model", default="resnet", choices=MODELS)
+    parser.add_argument("--input-rounds", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=900)
     # The smoke run: one tiny case of each table.
     args = parse_args(
@@ -288,6 +531,8 @@ def main():
         straggler_steps=30,
         drop_at=15,
         straggler_runs=1,
+        input_model="mlp",
+        input_rounds=1,
     )
     available, reason = kh.testing.cpu_quota_available()
     if not available:
@@ -329,6 +574,22 @@ def main():
             args.drop_to,
             args.timeout,
             args.straggler_runs,
+        )
+        print("\n" + table)
+    if "input" in args.tables:
+        print(
+            f"\nInput: {args.input_model} (global batch "
+            f"{GLOBAL_BATCH[args.input_model]}), capacities 1:2, rebalanced; "
+            f"{args.input_rounds} rounds alternating the sources; median of "
+            f"the last {args.tail} of {args.steps} steps\n"
+        )
+        table = input_table(
+            args.input_model,
+            args.steps,
+            args.tail,
+            args.throttle,
+            args.timeout,
+            args.input_rounds,
         )
         print("\n" + table)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}")
