@@ -22,7 +22,8 @@ Input table (`--tables input`): the rebalanced pair of `--input-model`
 the A/A row) and from files, each worker reading only its own blocks
 (`kh.data.shard(reads="own")`): Parquet through `kh.data.from_arrow`, and
 indexed TFRecords through `kh.data.from_tfrecords` parsed in `map_fn`
-(float32 pixels, as in memory). Rounds alternate the sources. Then, in the
+(float32 pixels, as in memory; memory holds the same rows). Rounds
+alternate the sources. Then, in the
 benchmark's own process (both cores, no quota): each input pipeline alone
 (`kh.data.shard` over the source, a whole pass consumed by
 `Dataset.reduce`, no model) in rows/s, against the same model trained
@@ -131,8 +132,8 @@ def _train(
 # The input table's sources: name -> files read with reads="own" (None:
 # memory). Rows of `_train`'s model kind, written by `write_files`.
 SOURCES = {
-    "memory": None,
-    "memory (A/A)": None,
+    "memory": "memory",
+    "memory (A/A)": "memory",
     'Parquet, reads="own"': "parquet",
     'indexed TFRecords, reads="own"': "tfrecord",
 }
@@ -188,11 +189,19 @@ def write_files(model_kind, rows, directory):
 
 def _file_input(source, global_batch, strategy):
     """`kh.data.shard(reads="own")` over `source = (kind, directory,
-    example shape)`."""
+    example shape)`; kind "memory": the same rows from numpy arrays
+    (`directory` is `[model kind, rows]`)."""
     import tensorflow as tf
 
     kind, directory, shape = source
     shape = tuple(shape)
+    if kind == "memory":
+        x, y = examples(*directory)
+        return kh.data.shard(
+            tf.data.Dataset.from_tensor_slices((x, y)),
+            global_batch,
+            strategy=strategy,
+        )
     if kind == "parquet":
         examples_ = kh.data.from_arrow(
             directory, "x", label="y", shapes={"x": shape}
@@ -216,6 +225,13 @@ def _file_input(source, global_batch, strategy):
     return kh.data.shard(
         examples_, global_batch, strategy=strategy, reads="own", map_fn=map_fn
     )
+
+
+def _source(kind, directory, model_kind, rows, shape):
+    """`_train`'s `source` for an input table source of kind `kind`."""
+    if kind == "memory":
+        return (kind, [model_kind, rows], list(shape))
+    return (kind, os.path.join(directory, kind), list(shape))
 
 
 def _pipeline_alone(make_data, rounds):
@@ -368,13 +384,12 @@ def input_table(model_kind, steps, tail, throttle, timeout, rounds):
 def _input_table(model_kind, steps, tail, throttle, timeout, rounds, directory):
     global_batch = GLOBAL_BATCH[model_kind]
     quotas = CASES["1:2"]
-    shape = write_files(model_kind, (steps + 1) * global_batch, directory)
+    rows = (steps + 1) * global_batch
+    shape = write_files(model_kind, rows, directory)
     rates = {name: [] for name in SOURCES}
     for _ in range(rounds):
         for name, kind in SOURCES.items():
-            source = None
-            if kind is not None:
-                source = (kind, os.path.join(directory, kind), list(shape))
+            source = _source(kind, directory, model_kind, rows, shape)
             results = kh.testing.run_workers(
                 _rebalance_worker,
                 len(quotas),
@@ -391,15 +406,10 @@ def _input_table(model_kind, steps, tail, throttle, timeout, rounds, directory):
     # alone on one process with the whole machine.
     import tensorflow as tf
 
-    x, y = examples(model_kind, (steps + 1) * global_batch)
-    makers = {
-        "memory": lambda: kh.data.shard(
-            tf.data.Dataset.from_tensor_slices((x, y)), global_batch
-        )
-    }
+    makers = {}
     for name, kind in SOURCES.items():
-        if kind is not None:
-            source = (kind, os.path.join(directory, kind), list(shape))
+        if name != "memory (A/A)":
+            source = _source(kind, directory, model_kind, rows, shape)
             makers[name] = lambda source=source: _file_input(
                 source, global_batch, tf.distribute.get_strategy()
             )

@@ -313,10 +313,6 @@ class ServiceSource(passes.BlockSource):
     def state_after(self, pass_number, steps):
         return None
 
-    @property
-    def element_spec(self):
-        return self.examples.element_spec
-
     def read(self, bounds, first, count):
         spec = self.examples.element_spec
         flat_spec = tf.nest.flatten(spec)
