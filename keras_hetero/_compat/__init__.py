@@ -26,6 +26,7 @@ from keras_hetero._compat.data import iterators_without_autotuning
 from keras_hetero._compat.data import set_steps_of_distributed_dataset
 from keras_hetero._compat.data import supports_random_access
 from keras_hetero._compat.data import with_known_length
+from keras_hetero._compat.data import without_last_cardinality_assertion
 from keras_hetero._compat.data import without_partial_batch_check
 from keras_hetero._compat.distribute import configure_coordination_timeouts
 from keras_hetero._compat.distribute import coordinator_workers
@@ -110,6 +111,7 @@ __all__ = [
     "set_steps_of_distributed_dataset",
     "supports_random_access",
     "with_known_length",
+    "without_last_cardinality_assertion",
     "without_partial_batch_check",
     "configure_coordination_timeouts",
     "coordinator_workers",

@@ -149,6 +149,23 @@ def dataset_graph(dataset):
     return graph
 
 
+def without_last_cardinality_assertion(dataset):
+    """`dataset` without its last stage if that stage is
+    `tf.data.experimental.assert_cardinality`, else `dataset`.
+
+    A tf.data service in `"distributed_epoch"` mode runs the pipeline on
+    each of its workers over a part of the data, where an asserted total
+    fails ("Input dataset was expected to contain N elements but contained
+    only M"); `kh.data.shard(service=...)` still reads the total from it.
+    tf.data keeps the stage's input in the private `_input_dataset` of
+    `_AssertCardinalityDataset` (tensorflow/python/data/experimental/ops/
+    cardinality.py, unchanged in TF 2.19-2.21).
+    """
+    if type(dataset).__name__ == "_AssertCardinalityDataset":
+        return dataset._input_dataset
+    return dataset
+
+
 def set_steps_of_distributed_dataset(distributed, steps):
     """Makes Keras read `steps` as a distributed dataset's length.
 

@@ -34,6 +34,7 @@ import urllib.parse
 import numpy as np
 import tensorflow as tf
 
+from keras_hetero import _compat
 from keras_hetero import _distribute
 from keras_hetero.data import passes
 
@@ -42,6 +43,44 @@ _CONNECT_TIMEOUT = 5.0
 
 # `HeteroDataset.shuffle_mechanism` and `reads` under a service input.
 SERVICE = "service"
+
+# Stages that each service worker would apply to its own part of the data
+# (`"distributed_epoch"` splits the source between them), not to the whole.
+_PER_PART = {
+    "TakeDataset": "`take`",
+    "SkipDataset": "`skip`",
+    "ShardDataset": "`shard`",
+    "RepeatDataset": "`repeat`",
+    "AssertCardinalityDataset": "`assert_cardinality` (but as the last stage)",
+}
+
+
+def check_pipeline(examples):
+    """Refuses stages of `examples` that would mean something else on a
+    tf.data service in `"distributed_epoch"` mode, where each service
+    worker runs the pipeline over a part of the data.
+
+    Raises:
+        ValueError: Naming the stages found.
+    """
+    graph = _compat.dataset_graph(
+        _compat.without_last_cardinality_assertion(examples)
+    )
+    nodes = [
+        *graph.node,
+        *(n for f in graph.library.function for n in f.node_def),
+    ]
+    found = sorted({_PER_PART[n.op] for n in nodes if n.op in _PER_PART})
+    if found:
+        raise ValueError(
+            "Invalid value for argument `examples`: under a tf.data service "
+            "each service worker runs the pipeline over a part of the data "
+            "(`distributed_epoch`), so these stages would apply to each "
+            f"part, not to the whole: {', '.join(found)}. Expected a finite "
+            "pipeline without them (its number of examples known, or "
+            "asserted by `tf.data.experimental.assert_cardinality` as its "
+            "last stage, which the service does not run)."
+        )
 
 
 def check_address(service):
@@ -280,8 +319,11 @@ class ServiceSource(passes.BlockSource):
             return
         workers = input_context.num_input_pipelines
         replicas = num_replicas // workers
+        # The service runs the pipeline without a last `assert_cardinality`
+        # (each of its workers sees a part); the total sets the steps.
+        served = _compat.without_last_cardinality_assertion(self.examples)
         self.reader = ServiceReader(
-            self.examples.batch(self._block_rows(num_replicas)),
+            served.batch(self._block_rows(num_replicas)),
             self.address,
             self.job_prefix,
             replicas,

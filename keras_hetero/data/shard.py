@@ -726,7 +726,11 @@ def shard(
             parsing included) once per epoch in `"distributed_epoch"`
             mode, and each training worker pulls the rows of its
             replicas, step by step as the shares ask. The number of
-            examples must be known; every example the service hands out
+            examples must be known (or asserted by
+            `tf.data.experimental.assert_cardinality` as the last stage,
+            which the service does not run); `take`, `skip`, `shard` and
+            `repeat` stages are refused (each service worker would apply
+            them to its part of the data). Every example the service hands out
             trains once per epoch, a worker that runs out early trains
             fewer rows at the epoch's end, and the others train what they
             still hold at its last step. Not with `shuffle` (shuffle in
@@ -846,8 +850,11 @@ def _check_service(service, reads, examples, shuffle, strategy):
 
     Raises:
         ValueError: With `reads="own"`, `shuffle`, examples of unknown
-            number, ParameterServerStrategy, or an address that is not one
-            or that nothing listens on.
+            number or with stages that would apply to each service
+            worker's part (`take`, `skip`, `shard`, `repeat`, an
+            `assert_cardinality` before the last stage),
+            ParameterServerStrategy, or an address that is not one or that
+            nothing listens on.
     """
     problem = None
     if reads != "all":
@@ -861,7 +868,8 @@ def _check_service(service, reads, examples, shuffle, strategy):
         problem = (
             "examples of unknown number (every worker must know a pass's "
             "steps; apply "
-            "`tf.data.experimental.assert_cardinality(n)` to them)"
+            "`tf.data.experimental.assert_cardinality(n)` to them as "
+            "their last stage)"
         )
     elif _distribute.is_parameter_server(strategy):
         problem = (
@@ -873,6 +881,7 @@ def _check_service(service, reads, examples, shuffle, strategy):
             "Invalid value for argument `service`: a tf.data service input "
             f"does not go with {problem}. Received: service={service!r}."
         )
+    service_lib.check_pipeline(examples)
     return service_lib.check_address(service)
 
 

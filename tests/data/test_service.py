@@ -8,6 +8,7 @@ import signal
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_hetero as kh
 from keras_hetero._compat import keras
@@ -102,6 +103,27 @@ def test_fit_equals_one_device_on_the_batches_the_service_made(
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_file_pipeline_runs_on_the_service_once_per_pass(
+    dispatcher, tmp_path
+):
+    # The user's own pipeline, unchanged: TFRecord files read and parsed by
+    # the service's workers, split between them by file.
+    paths = arrow_workers.write_id_tfrecords(str(tmp_path / "r"), 60, 4)
+    examples = (
+        tf.data.TFRecordDataset(paths)
+        .map(lambda record: arrow_workers.parse_id_records(record[None]))
+        .map(lambda x, y: ({k: v[0] for k, v in x.items()}, y[0]))
+        .apply(tf.data.experimental.assert_cardinality(60))
+    )
+    strategy = helpers.mirrored(DEVICES[:2])
+    data = kh.data.shard(examples, 16, strategy=strategy, service=dispatcher)
+    for _ in range(2):
+        batches = _replica_ids(strategy, data)
+        ids = [i for batch in batches for part in batch for i in part]
+        assert sorted(ids) == list(range(60))
+        assert len(batches) == 4
+
+
 def test_bad_service_arguments_are_named(dispatcher):
     examples = helpers.id_examples(20)
     with pytest.raises(ValueError, match=r"cannot reach .*127\.0\.0\.1:1'"):
@@ -115,6 +137,22 @@ def test_bad_service_arguments_are_named(dispatcher):
     unknown = examples.filter(lambda *e: True)
     with pytest.raises(ValueError, match=r"unknown number .*assert_card"):
         kh.data.shard(unknown, 8, service=dispatcher)
+    # Stages each service worker would apply to its own part of the data.
+    for stage, named in (
+        (lambda d: d.take(10), "`take`"),
+        (lambda d: d.skip(2), "`skip`"),
+        (lambda d: d.repeat(2), "`repeat`"),
+        (
+            lambda d: d.apply(tf.data.experimental.assert_cardinality(20)).map(
+                lambda *e: e
+            ),
+            "`assert_cardinality` \\(but as the last stage\\)",
+        ),
+    ):
+        with pytest.raises(
+            ValueError, match=f"part, not to the whole: {named}"
+        ):
+            kh.data.shard(stage(examples), 8, service=dispatcher)
     data = kh.data.shard(examples, 8, service=dispatcher)
     with pytest.raises(ValueError, match=r"`cache` has no use"):
         data.cache()
