@@ -286,11 +286,13 @@ class ServiceSource(passes.BlockSource):
     Args:
         examples: The user's unbatched examples (their number known).
         address: The dispatcher's checked address.
+        global_batch_size: Rows per global batch (a pass's step count).
     """
 
-    def __init__(self, examples, address):
+    def __init__(self, examples, address, global_batch_size):
         super().__init__(examples)
         self.address = address
+        self._global_batch_size = int(global_batch_size)
         self.job_prefix = None
 
     def shuffle_mechanism(self, shuffle):
@@ -331,10 +333,6 @@ class ServiceSource(passes.BlockSource):
             self.num_examples,
             self._global_batch_size,
         )
-
-    def bind(self, global_batch_size):
-        """Notes the global batch size (the pass's step count)."""
-        self._global_batch_size = int(global_batch_size)
 
     def _block_rows(self, num_replicas):
         # A quarter of an equal replica's rows per element: a worker holds

@@ -90,8 +90,9 @@ class HeteroDataset:
         service=None,
     ):
         if service is not None:
-            self._source = service_lib.ServiceSource(examples, service)
-            self._source.bind(global_batch_size)
+            self._source = service_lib.ServiceSource(
+                examples, service, global_batch_size
+            )
         elif reads == "own":
             self._source = passes_lib.BlockSource(examples)
         elif hasattr(examples, "pass_batches"):
