@@ -67,6 +67,10 @@ machines, 10.0.0.1 being the first one's address:
     keras-hetero run --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29400 \\
         --workers-per-host auto train.py
 
+So that any host, rank 0's included, can be lost and come back, keep the
+rendezvous in etcd: --rdzv-backend etcd --rdzv-endpoint ETCD_HOST:2379
+--rdzv-id JOB (the same on every host, new for each job).
+
 Behind a firewall, or to use a fast network: --worker-ports 29500-29507
 (the ports the workers listen on, the same after a restart) and
 --advertise-address ib0 (the interface, or address, they publish), with
@@ -156,7 +160,22 @@ def _add_hosts_arguments(several):
         default=None,
         metavar="HOST:PORT",
         help="the rendezvous: an address of rank 0's host that every host "
-        "reaches",
+        "reaches; with --rdzv-backend etcd, etcd's client address(es)",
+    )
+    several.add_argument(
+        "--rdzv-backend",
+        default="tcp",
+        choices=("tcp", "etcd"),
+        help="tcp (default): rank 0's launcher serves the rendezvous, and "
+        "losing its host ends the job; etcd: the launcher holding the role "
+        "in etcd serves it, so any host can be lost and come back",
+    )
+    several.add_argument(
+        "--rdzv-id",
+        default=None,
+        metavar="JOB",
+        help="with --rdzv-backend etcd: the job's id, the same on every host "
+        "and new for each job",
     )
     several.add_argument(
         "--rdzv-bind",
@@ -261,6 +280,7 @@ _HOST_FLAGS = (
     "rdzv_endpoint",
     "rdzv_bind",
     "rdzv_token_file",
+    "rdzv_id",
     "workers_per_host",
 )
 
@@ -301,6 +321,8 @@ def _launch_from_arguments(args):
                 worker_ports=args.worker_ports,
                 advertise_address=args.advertise_address,
                 warm=args.warm,
+                rdzv_backend=args.rdzv_backend,
+                rdzv_id=args.rdzv_id,
             )
     except ValueError as error:
         print(f"keras-hetero: {error}", file=sys.stderr)
@@ -322,6 +344,8 @@ def _check_single_host(args):
         for name in _HOST_FLAGS
         if getattr(args, name) is not None
     ]
+    if args.rdzv_backend != "tcp":
+        given.append("--rdzv-backend")
     if given:
         raise ValueError(
             f"{', '.join(given)} need --nnodes (several hosts); with "

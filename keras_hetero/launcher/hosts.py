@@ -22,6 +22,7 @@ import time
 from keras_hetero._checks import check_int
 from keras_hetero.launcher import addresses
 from keras_hetero.launcher import devices as device_lists
+from keras_hetero.launcher import etcd
 from keras_hetero.launcher import group
 from keras_hetero.launcher import policy
 from keras_hetero.launcher import ports as port_ranges
@@ -51,6 +52,8 @@ def launch_host(
     worker_ports=None,
     advertise_address=None,
     warm=True,
+    rdzv_backend="tcp",
+    rdzv_id=None,
 ):
     """Runs this host's part of a multi-host job (`keras-hetero run
     --nnodes ...`).
@@ -115,6 +118,14 @@ def launch_host(
             from).
         warm: Restart this host's workers in warm spares (see `launch`).
             Defaults to `True`.
+        rdzv_backend: `"tcp"`: rank 0's launcher serves the rendezvous
+            (losing its host ends the job). `"etcd"`: `rdzv_endpoint` is
+            an etcd cluster's client address(es); whichever launcher holds
+            the role in etcd serves the rendezvous, so any host, rank 0's
+            included, can be lost and come back (`etcd.py`). Defaults to
+            `"tcp"`.
+        rdzv_id: With `"etcd"`: the job's id, the same on every host and
+            new for each job. Defaults to None.
 
     Returns:
         A `LaunchResult`: the job's exit code (the same on every host) and
@@ -127,6 +138,8 @@ def launch_host(
             port already in use, or a job the rendezvous refused (another
             script, other arguments or versions than rank 0's, a wrong
             token).
+        ConnectionError: With `rdzv_backend="etcd"`, if etcd cannot be
+            reached at the start (naming its address and why).
         TimeoutError: If too few hosts joined within `rdzv_timeout` (the
             message names the missing ranks), or this host could not reach
             the rendezvous.
@@ -146,7 +159,20 @@ def launch_host(
         maximum=max_hosts - 1,
         expected=f"an integer in [0, {max_hosts - 1}] (--nnodes {nnodes})",
     )
-    host, port = policy.parse_endpoint(rdzv_endpoint)
+    if rdzv_backend not in ("tcp", "etcd"):
+        raise ValueError(
+            "Invalid value for argument `rdzv_backend`. Received: "
+            f"rdzv_backend={rdzv_backend!r}. Expected 'tcp' (rank 0 serves "
+            "the rendezvous) or 'etcd'."
+        )
+    if rdzv_backend == "tcp":
+        host, port = policy.parse_endpoint(rdzv_endpoint)
+        if rdzv_id is not None:
+            raise ValueError(
+                f"Invalid value for argument `rdzv_id`. Received: rdzv_id="
+                f"{rdzv_id!r} with rdzv_backend='tcp'. Expected it only "
+                "with --rdzv-backend etcd (the job's name in etcd)."
+            )
     group.check_seconds(
         rdzv_timeout=rdzv_timeout,
         rdzv_last_call=rdzv_last_call,
@@ -165,10 +191,10 @@ def launch_host(
     token = rendezvous.read_token(rdzv_token)
     output = output or sys.stdout
     job = job_description(command, slots, environ)
-    server = None
-    if node_rank == 0:
-        server = rendezvous.RendezvousServer(
-            _bind_address(rdzv_bind, rdzv_endpoint, host),
+
+    def make_server(bind, port, state=None):
+        return rendezvous.RendezvousServer(
+            bind,
             port,
             token,
             min_hosts=min_hosts,
@@ -179,12 +205,32 @@ def launch_host(
             max_restarts=max_restarts,
             grace_seconds=float(grace_seconds),
             output=output,
+            rank=node_rank,
+            state=state,
+            record=seat.role.record if seat is not None else None,
         )
-        server.start()
+
+    server = seat = endpoint = None
+    if rdzv_backend == "etcd":
+        seat = etcd.Seat(
+            rdzv_endpoint,
+            rdzv_id,
+            rdzv_bind,
+            rdzv_timeout,
+            make_server,
+            output,
+        )
+    else:
+        endpoint = (host, port)
+        if node_rank == 0:
+            server = make_server(
+                _bind_address(rdzv_bind, rdzv_endpoint, host), port
+            )
+            server.start()
     agent = _Agent(
         command,
         node_rank,
-        (host, port),
+        endpoint,
         token,
         slots,
         job,
@@ -195,6 +241,7 @@ def launch_host(
         server,
         advertise_address,
         worker_ports,
+        seat,
     )
     try:
         with group.signals_to(agent.interrupt):
@@ -203,6 +250,8 @@ def launch_host(
         agent.workers.close_spares()
         if server is not None:
             server.close()
+        if seat is not None:
+            seat.close()
 
 
 def _bind_address(rdzv_bind, rdzv_endpoint, host):
@@ -287,13 +336,18 @@ class _Agent:
         server,
         advertise_address=None,
         port_range=None,
+        seat=None,
     ):
         self.command, self.rank = list(command), rank
         self.endpoint, self.token = endpoint, token
         self.slots, self.job, self.timeout = slots, job, timeout
         self.workers, self.env = workers, env
-        self.output, self.server = output, server
-        self.where = "{}:{}".format(*endpoint)
+        self.output, self.server, self.seat = output, server, seat
+        self.where = (
+            "{}:{}".format(*endpoint)
+            if seat is None
+            else f"etcd {','.join(seat.urls)}"
+        )
         self.attempts = []
         self.interrupted = None
         self.address = self.advertise_address = advertise_address
@@ -316,6 +370,11 @@ class _Agent:
             channel = self._join()
             if channel is None:
                 return self._interrupted()
+            if isinstance(channel, dict):  # ended before this host joined
+                result = self._handle(None, channel)
+                if isinstance(result, TimeoutError):
+                    raise result
+                return result
             result = self._follow(channel)
             if isinstance(result, TimeoutError):
                 raise result
@@ -323,7 +382,9 @@ class _Agent:
                 return result
             _say(
                 self.output,
-                f"[launcher] lost the rendezvous at {self.where}; joining "
+                "[launcher] lost the rendezvous at "
+                + "{}:{}".format(*self.endpoint)
+                + "; joining "
                 f"again (for up to {self.timeout:g} s)",
             )
 
@@ -336,7 +397,9 @@ class _Agent:
             "stopping workers",
         )
         self._stop_workers()
-        if self.server is not None:
+        if self.seat is not None:
+            self.seat.leave()  # the others go on without this host
+        elif self.server is not None:
             self.server.shutdown(
                 128 + self.interrupted,
                 f"host rank 0's launcher got "
@@ -362,13 +425,19 @@ class _Agent:
                     raise TimeoutError(
                         f"Host rank {self.rank} could not join the "
                         f"rendezvous at {self.where} within "
-                        f"{self.timeout:g} s ({error}). The launcher with "
-                        "--node-rank 0 serves it: is it running, with "
-                        "--rdzv-bind set for other hosts to reach it?"
+                        f"{self.timeout:g} s ({error}). "
+                        + (
+                            "The launcher with --node-rank 0 serves it: is "
+                            "it running, with --rdzv-bind set for other "
+                            "hosts to reach it?"
+                            if self.seat is None
+                            else "Is etcd up, and can the hosts reach each "
+                            "other (--rdzv-bind)?"
+                        )
                     ) from None
                 time.sleep(0.5)
                 continue
-            if isinstance(channel, rendezvous.Channel):
+            if isinstance(channel, (rendezvous.Channel, dict)):
                 return channel
             message, retry = channel
             if not retry:
@@ -379,7 +448,13 @@ class _Agent:
         return None
 
     def _try_join(self):
-        """A joined `Channel`, or `(message, retry)` if refused."""
+        """A joined `Channel`, `(message, retry)` if refused, or the job's
+        `done` message if it ended (etcd)."""
+        if self.seat is not None:
+            found = self.seat.locate()
+            if isinstance(found, dict):
+                return found
+            self.endpoint = found
         sock = socket.create_connection(self.endpoint, timeout=5)
         channel = rendezvous.Channel(sock)
         try:
@@ -413,7 +488,8 @@ class _Agent:
             _say(
                 self.output,
                 f"[launcher] host rank {self.rank} joined the rendezvous at "
-                f"{self.where} from {reached_from}"
+                + "{}:{}".format(*self.endpoint)
+                + f" from {reached_from}"
                 + (
                     f" (workers at {self.address})"
                     if self.address != reached_from
@@ -462,6 +538,8 @@ class _Agent:
             while True:
                 if self.interrupted is not None:
                     return self._interrupted()
+                if self.seat is not None:
+                    self.seat.check()
                 try:
                     message = inbox.get(timeout=0.05)
                 except queue.Empty:
@@ -529,7 +607,8 @@ class _Agent:
             text = message.get("message")
             if message.get("kind") == "timeout":
                 return TimeoutError(text)  # raised by `run`, not in `_follow`
-            if text and self.server is None:  # else the server said it
+            serving = self.server or (self.seat and self.seat.server)
+            if text and not serving:  # else the server said it
                 _say(self.output, f"[launcher] {text}")
             return LaunchResult(int(message["exit_code"]), tuple(self.attempts))
         return None

@@ -275,9 +275,10 @@ class _Hosts(dict):
     """The joined hosts by rank (`_Host`s), and why others were refused:
     the joins the server checks and admits."""
 
-    def __init__(self, max_hosts, job, count):
+    def __init__(self, max_hosts, job, count, job_rank=0):
         super().__init__()
         self.max_hosts, self.job, self.count = max_hosts, job, count
+        self.job_rank = job_rank  # the host whose job the others match
         self.refused = {}  # rank -> why its job was refused
         self.wrong_token = []  # peers refused for a wrong token
 
@@ -302,7 +303,10 @@ class _Hosts(dict):
                 f"[0, {self.max_hosts - 1}] (--nnodes {self.count})."
             ), False
         error = policy.job_mismatch(
-            self.job, message.get("job") or {}, rank=rank
+            self.job,
+            message.get("job") or {},
+            rank=rank,
+            reference_rank=self.job_rank,
         )
         if error is not None:
             self.refused[rank] = error
@@ -448,7 +452,8 @@ def _round_attempt(workers, finished, failure, lost_ranks):
 
 
 class RendezvousServer:
-    """The rendezvous of a multi-host job (in the launcher of rank 0).
+    """The rendezvous of a multi-host job (in the launcher of rank 0, or
+    with `--rdzv-backend etcd` in the one holding the role: `etcd.py`).
 
     It gathers the hosts, starts rounds of workers across them, and
     restarts the group on a failure, a lost host, or to admit a host that
@@ -470,6 +475,13 @@ class RendezvousServer:
         grace_seconds: The hosts' grace period when stopping workers (the
             server waits that long plus a margin for their exit codes).
         output: A text stream for `[rendezvous]` lines.
+        rank: The rank of the host serving (its `job` is the reference).
+            Defaults to `0`.
+        state: `{"round", "failures"}` to continue from (a server taking
+            over a running job). Defaults to None (a new job).
+        record: Called with `state=` at each round's start and end and with
+            `done=` at the job's end, for a server that takes over.
+            Defaults to None.
 
     Raises:
         ValueError: If the port is in use or the address is not local.
@@ -489,6 +501,9 @@ class RendezvousServer:
         max_restarts,
         grace_seconds,
         output,
+        rank=0,
+        state=None,
+        record=None,
     ):
         self.min_hosts, self.max_hosts = min_hosts, max_hosts
         self.token, self.job = token, job
@@ -499,9 +514,11 @@ class RendezvousServer:
         self._listener = _Listener(bind, port, token)
         self.address = self._listener.address
         self._events = self._listener.events
-        self._hosts = _Hosts(max_hosts, job, self._count())
+        self._hosts = _Hosts(max_hosts, job, self._count(), rank)
         self._state = "gather"
-        self._round = 0  # the next round to start
+        self._record = record or (lambda **_: None)
+        state = state or {}
+        self._round = int(state.get("round", 0))  # the next round to start
         self._members = ()
         self._workers = ()
         self._ports = {}
@@ -509,7 +526,7 @@ class RendezvousServer:
         self._lost = []
         self._failure = None
         self._stop_reason = None
-        self._failures = 0
+        self._failures = int(state.get("failures", 0))
         self._deadline = 0.0
         now = time.monotonic()
         self._gather_began = self._last_join = self._last_beat = now
@@ -550,6 +567,17 @@ class RendezvousServer:
             thread.join(wait)
         self._listener.close(wait)
         for host in self._hosts.values():
+            host.channel.close()
+
+    def abandon(self):
+        """Stops serving without ending the job (this host leaves an etcd
+        rendezvous): the hosts lose their connections and find the next
+        server."""
+        self._closed = True
+        for thread in self._threads:
+            thread.join(5.0)
+        self._listener.close(5.0)
+        for host in list(self._hosts.values()):
             host.channel.close()
 
     # --- the state machine -------------------------------------------------
@@ -784,6 +812,10 @@ class RendezvousServer:
         self._state = "running"
         self._finished, self._lost = {}, []
         self._failure = self._stop_reason = None
+        # If this server's host is lost, the round counts as a failure.
+        self._record(
+            state={"round": self._round + 1, "failures": self._failures + 1}
+        )
 
     def _stop(self, reason):
         self._stop_reason = reason
@@ -845,6 +877,7 @@ class RendezvousServer:
                     f"exit {status}",
                 )
                 return
+        self._record(state={"round": self._round, "failures": self._failures})
         self._begin_gathering()
 
     def _begin_gathering(self):
@@ -863,6 +896,7 @@ class RendezvousServer:
         }
         if message:
             _say(self.output, f"[rendezvous] {message}")
+        self._record(done=self._done)
         for rank, host in list(self._hosts.items()):
             self._send(rank, self._done)
             # The host reads what was sent, then closes its side.

@@ -32,6 +32,7 @@ from keras_hetero.launcher import policy
 from keras_hetero.launcher import rendezvous
 from keras_hetero.launcher import timing
 from tests.checkpointing import test_elastic_processes as elastic
+from tests.support import helpers
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts")
 HOST_TRAIN = os.path.join(SCRIPTS, "host_train.py")
@@ -530,10 +531,17 @@ class _Hosts:
     """Launchers (`keras-hetero run --nnodes ...`) in `NetworkHosts`
     namespaces, each writing its output to `<tmp>/rank<i>-<n>.log`."""
 
-    def __init__(self, net, tmp_path, nnodes, script, token="s3cret-t0ken"):
+    def __init__(
+        self, net, tmp_path, nnodes, script, token="s3cret-t0ken", etcd=None
+    ):
         self.net, self.tmp_path = net, tmp_path
         self.nnodes, self.script, self.token = nnodes, script, token
-        self.endpoint = f"{net.address(0)}:29400"
+        self.endpoint = etcd or f"{net.address(0)}:29400"
+        self.etcd = (
+            ["--rdzv-backend", "etcd", "--rdzv-id", tmp_path.name]
+            if etcd
+            else None
+        )
         self.processes, self.logs = [], []
 
     def start(self, rank, *flags, token=None):
@@ -548,7 +556,12 @@ class _Hosts:
             str(rank),
             "--rdzv-endpoint",
             self.endpoint,
-            *(["--rdzv-bind", self.net.address(0)] if rank == 0 else []),
+            *(self.etcd or []),
+            *(
+                ["--rdzv-bind", self.net.address(0)]
+                if rank == 0 and not self.etcd
+                else []
+            ),
             *flags,
             *self.script,
         ]
@@ -742,6 +755,82 @@ def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
         f"workers trained steps {restored[1] + 1}-{restored[2]}, host 1 "
         f"started again {back_at - killed_at:.1f}s after the kill, attempt 2 "
         f"on 4 workers finished; {seconds:.1f}s in all"
+    )
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_etcd_rendezvous_survives_its_host_killed_and_readmits_it(tmp_path):
+    # --rdzv-backend etcd, --nnodes 1:2, one worker per host. Host 0's
+    # launcher starts first and serves the rendezvous; host 0 (launcher
+    # and worker) is killed mid-run (attempt 0). Host 1's launcher takes
+    # the role once the lease runs out, the group continues on host 1
+    # alone, then host 0's launcher is started again and is readmitted as
+    # a plain member.
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    epochs = 2
+    script = _train_args(
+        out,
+        ckpt,
+        "--epochs",
+        str(epochs),
+        "--slow-attempt",
+        "1",
+        "--slow-step-seconds",
+        "1.0",
+    )
+    script[script.index("--step-seconds") + 1] = "0.3"
+    flags = ["--rdzv-timeout", "120", "--rdzv-last-call", "1"]
+    started = time.monotonic()
+    with kh.testing.NetworkHosts(2) as net:
+        with helpers.etcd_server(net.bridge_address) as url:
+            job = _Hosts(net, tmp_path, "1:2", script, etcd=url)
+            try:
+                # Host 0's server waits for host 1 (a round of both
+                # starts once both are in).
+                job.start(0, "--rdzv-timeout", "120", "--rdzv-last-call", "30")
+                _wait_until(
+                    lambda: "serving the rendezvous" in job.text(0),
+                    "host 0 serving",
+                    job,
+                )
+                rank1 = job.start(1, *flags)
+                _wait_until(lambda: _steps(out, 0) >= 4, "step 4", job)
+                killed_at = time.monotonic()
+                assert net.kill(0)
+                _wait_until(
+                    lambda: _steps(out, 1) >= 2, "attempt 1's steps", job
+                )
+                took_over = time.monotonic() - killed_at
+                again = job.start(0, *flags)
+                codes = [job.wait(p) for p in (rank1, again)]
+            finally:
+                job.stop()
+    seconds = time.monotonic() - started
+    text = job.text()
+    assert codes == [0, 0], text[-6000:]
+    rank1_log, again_log = job.text(1), job.text(2)
+    assert "serving the rendezvous" in rank1_log, rank1_log
+    assert "from attempt 1" in rank1_log  # the round count went on
+    assert "serving the rendezvous" not in again_log, again_log
+    assert "[rendezvous] host rank(s) [0] joined: restarting the group" in (
+        rank1_log
+    )
+    assert _rounds(rank1_log) == [(1, [1]), (2, [0, 1])], rank1_log
+    committed, restored = elastic._committed_attempts(out)
+    assert len(restored) == 3 and restored[1] < restored[2], restored
+    elastic._assert_exactly_once(committed, epochs=epochs)
+    initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = elastic._load(os.path.join(out, "attempt2-worker0-final.npz"))
+    weights, steps = elastic._one_device_run(
+        initial, elastic._reference_data("plain", None, None), epochs
+    )
+    elastic._assert_same_batches(committed, steps)
+    elastic.helpers.assert_weights_close(final, weights)
+    print(
+        f"etcd rendezvous: serving host 0 killed after step {restored[1]}, "
+        f"host 1 took the role and attempt 1 trained {took_over:.1f}s after "
+        f"the kill; host 0 readmitted; {seconds:.1f}s in all"
     )
 
 

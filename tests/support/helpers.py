@@ -3,7 +3,11 @@
 Also imported by worker processes (keep it free of pytest).
 """
 
+import contextlib
 import logging
+import os
+import subprocess
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -300,3 +304,27 @@ def tf_data_service(workers=2):
         for _ in range(workers)
     ]
     return dispatcher, servers, f"grpc://{address}"
+
+
+@contextlib.contextmanager
+def etcd_server(address="127.0.0.1"):
+    """A throwaway single-member etcd on `address` (`.ci/etcd/start.sh`
+    installs Debian's etcd-server if missing); yields its client URL and
+    stops it, removing its data, afterwards."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    scripts = os.path.join(root, ".ci", "etcd")
+    directory = tempfile.mkdtemp(prefix="keras-hetero-etcd-")
+    port = kh.testing.free_ports(1, address)[0]
+    result = subprocess.run(
+        ["bash", os.path.join(scripts, "start.sh"), directory, address,
+         str(port)],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert result.returncode == 0, result.stdout + result.stderr
+        yield result.stdout.strip()
+    finally:
+        subprocess.run(
+            ["bash", os.path.join(scripts, "stop.sh"), directory], check=False
+        )
