@@ -17,6 +17,11 @@ every `--save-every` steps. Every uniform(`--every MIN MAX`) seconds
   alone (1:2 lets it), rank 1's launcher is started again after
   `--host-down` seconds, and the group restarts once more to take it back.
 
+With `--etcd` the rendezvous lives in a throwaway etcd (`.ci/etcd/start.sh`,
+Debian's etcd-server) and the launchers run `--rdzv-backend etcd`: a host
+kill then takes either rank's host (rank 0's too, which may be the one
+serving the rendezvous), while the other is up.
+
 When the time is up the soak writes a stop step a little ahead of the
 training to a file every worker reads at every step, so the job ends by
 itself at that step. Then it runs the same script without the launcher or
@@ -40,6 +45,7 @@ absolute difference. A ledger that is not exactly once fails the soak
 (exit 1) after the table.
 
     python benchmarks/soak.py [--minutes 30] [--every 20 60] [--seed 0]
+        [--etcd]
 """
 
 import contextlib
@@ -70,6 +76,7 @@ from keras_hetero import testing
 from keras_hetero.launcher import timing
 
 TRAIN = str(pathlib.Path(__file__).resolve().parent / "_soak_train.py")
+ETCD = pathlib.Path(__file__).resolve().parent.parent / ".ci" / "etcd"
 # Between the job's end and the launchers' exit, and for the reference
 # run beyond its expected length.
 SLACK_SECONDS = 300
@@ -179,6 +186,30 @@ class _Job:
         self.env.pop("TF_CONFIG", None)
         self.launchers = {}
         self.logs = []
+        self.rendezvous = [
+            "--rdzv-endpoint",
+            f"127.0.0.1:{self.port}",
+        ]
+        if args.etcd:
+            url = subprocess.run(
+                ["bash", str(ETCD / "start.sh"), self.etcd_dir, "127.0.0.1",
+                 str(_free_port())],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()  # fmt: skip
+            self.rendezvous = [
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                url,
+                "--rdzv-id",
+                f"soak-{secrets.token_hex(4)}",
+            ]
+
+    @property
+    def etcd_dir(self):
+        return os.path.join(self.folder, "etcd")
 
     def start(self, rank):
         args = self.args
@@ -194,8 +225,7 @@ class _Job:
             "1:2",
             "--node-rank",
             str(rank),
-            "--rdzv-endpoint",
-            f"127.0.0.1:{self.port}",
+            *self.rendezvous,
             "--rdzv-last-call",
             "3",
             "--rdzv-timeout",
@@ -262,11 +292,15 @@ class _Job:
                 launcher.wait(timeout=30)
         for log in self.logs:
             log.close()
+        if self.args.etcd:
+            subprocess.run(["bash", str(ETCD / "stop.sh"), self.etcd_dir])
 
     def attempts(self):
-        """The attempt rank 0's launcher started last (0 for the first)."""
-        with open(self.logs[0].name) as f:
-            found = re.findall(r"\[launcher\] attempt (\d+):", f.read())
+        """The attempt the launchers started last (0 for the first)."""
+        found = []
+        for log in self.logs:
+            with open(log.name) as f:
+                found += re.findall(r"\[launcher\] attempt (\d+):", f.read())
         return max((int(number) for number in found), default=0)
 
     def restart_phases(self):
@@ -312,24 +346,30 @@ def _soak(job, args, rng):
     job.start(1)
     deadline = started + args.minutes * 60
     next_kill = started + rng.uniform(*args.every)
-    host_back = None
+    host_back = None  # (rank, when)
+    # Hosts a kill may take: rank 1's; with etcd either, while both are up.
+    killable = (0, 1) if args.etcd else (1,)
     while time.monotonic() < deadline:
         time.sleep(0.2)
         now = time.monotonic()
-        if not job.up(0):
-            raise RuntimeError(
-                "Rank 0's launcher exited during the soak:\n" + job.tail()
-            )
+        # Killed hosts are out of `job.launchers` until started again.
+        for rank in list(job.launchers):
+            if not job.up(rank):
+                raise RuntimeError(
+                    f"Rank {rank}'s launcher exited during the soak:\n"
+                    + job.tail()
+                )
         _check_not_crash_looping(job, kills)
-        if host_back is not None and now >= host_back:
-            job.start(1)
+        if host_back is not None and now >= host_back[1]:
+            job.start(host_back[0])
             host_back = None
         if now < next_kill:
             continue
-        if job.up(1) and rng.random() < args.host_share:
-            job.kill_host(1)
+        if host_back is None and rng.random() < args.host_share:
+            rank = rng.choice(killable)
+            job.kill_host(rank)
             kills["host"] += 1
-            host_back = now + args.host_down
+            host_back = (rank, now + args.host_down)
         else:
             workers = job.workers()
             if not workers:
@@ -344,17 +384,20 @@ def _soak(job, args, rng):
         f.write(str(stop))
     os.replace(job.stop_file + ".tmp", job.stop_file)
     stop_by = time.monotonic() + SLACK_SECONDS
-    while job.launchers[0].poll() is None:
+    while any(launcher.poll() is None for launcher in job.launchers.values()):
         # A job whose every attempt dies at its start fails here, not
         # after the slack.
         _check_not_crash_looping(job, kills)
         if time.monotonic() > stop_by:
             raise RuntimeError("The job did not stop:\n" + job.tail())
         time.sleep(0.5)
-    code = job.launchers[0].returncode
     wall = time.monotonic() - started
-    if code != 0:
-        raise RuntimeError(f"Rank 0's launcher exited {code}:\n" + job.tail())
+    for rank, launcher in job.launchers.items():
+        if launcher.returncode != 0:
+            raise RuntimeError(
+                f"Rank {rank}'s launcher exited {launcher.returncode}:\n"
+                + job.tail()
+            )
     return kills, wall
 
 
@@ -500,6 +543,12 @@ def main():
         default=5.0,
         help="seconds before a killed host's launcher is started again",
     )
+    parser.add_argument(
+        "--etcd",
+        action="store_true",
+        help="the rendezvous in a local etcd (--rdzv-backend etcd): host "
+        "kills take either host, rank 0's included",
+    )
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument(
         "--no-warm",
@@ -534,7 +583,8 @@ def main():
             f"{args.save_every} steps, a kill every {args.every[0]:g}-"
             f"{args.every[1]:g} s (seed {args.seed}, host share "
             f"{args.host_share:g}), restarts "
-            f"{'cold (--no-warm)' if args.no_warm else 'warm'}",
+            f"{'cold (--no-warm)' if args.no_warm else 'warm'}, rendezvous "
+            f"{'in etcd (any host killed)' if args.etcd else 'on rank 0'}",
         ),
         flush=True,
     )

@@ -8,6 +8,7 @@ stop, agreed between workers), `storage` (the files), `schedule` (when).
 
 import logging
 import os
+import secrets
 import signal
 import time
 import warnings
@@ -50,9 +51,11 @@ class ElasticCheckpoint(base.HeteroCallback):
 
     Saving: every `save_every` (steps, a duration, or `"auto"` = Young/Daly
     `sqrt(2 * save_cost * mtbf)` from the measured cost, re-tuned after each
-    save), at the end of `fit`, on `save_now()`, and when the process gets
-    SIGTERM or SIGINT (then `fit` stops at the next step boundary and, with
-    `exit_on_signal`, the process exits with `PREEMPTED_EXIT_CODE`). Under
+    save; once the job has restarted, `mtbf` is the shorter of the given one
+    and the observed one, see `observed_mtbf`), at the end of `fit`, on
+    `save_now()`, and when the process gets SIGTERM or SIGINT (then `fit`
+    stops at the next step boundary and, with `exit_on_signal`, the process
+    exits with `PREEMPTED_EXIT_CODE`). Under
     MultiWorkerMirroredStrategy a signal to any worker stops every worker
     after the same step: the request travels in the next step's own
     collective (`keras_hetero.training.stopping`), so no worker is left
@@ -91,9 +94,11 @@ class ElasticCheckpoint(base.HeteroCallback):
             "auto". Defaults to `"auto"`.
         keep: Checkpoints kept, >= 1. Defaults to `3`.
         async_save: Write in a background thread. Defaults to `True`.
-        mtbf: Mean time between failures for "auto" (seconds or duration).
-            Defaults to `"1h"` (preemptible machines; raise it for reliable
-            ones).
+        mtbf: Mean time between failures for "auto" (seconds or duration):
+            the prior, used until the job restarted; then the observed mean
+            (`observed_mtbf`) if shorter, so saves come more often when
+            failures do. Defaults to `"1h"` (preemptible machines; raise it
+            for reliable ones).
         resize: What a restart with another global batch size does:
             `"keep_global_batch"` refuses it (clear error; the worker count
             may still change), `"scale_learning_rate"` continues the epoch
@@ -260,11 +265,15 @@ class ElasticCheckpoint(base.HeteroCallback):
             self._global_step = resumed.global_step
             self._pending_states = resumed.callback_states
             self.restored_from = resumed.path
+            self._failures = _restarts(resumed.failures)
         return resumed.undo
 
     # --- lifecycle ----------------------------------------------------------
 
     def _reset_counters(self):
+        # Restarts of the job so far, and since when (wall clock): carried
+        # in each checkpoint, counted when another process restores it.
+        self._failures = {"since": time.time(), "restores": 0}
         self._epoch = 0
         self._step_in_epoch = 0
         self._examples_in_epoch = 0
@@ -510,11 +519,24 @@ class ElasticCheckpoint(base.HeteroCallback):
         first save."""
         if self._writer.cost is None:
             return None
+        observed = self.observed_mtbf
         return schedule.young_daly_interval(
             self._writer.cost,
-            self.mtbf,
+            self.mtbf if observed is None else min(self.mtbf, observed),
             minimum=1.5 * (self._writer.write_seconds or 0.0),
         )
+
+    @property
+    def observed_mtbf(self):
+        """Mean seconds between this job's restarts: the wall time since
+        its first step over the restarts (restores, by a new process, of a
+        checkpoint another process wrote; the count travels in the
+        checkpoints), or None before the first restart. The downtime
+        between a failure and the restore counts, so it errs short."""
+        restores = self._failures["restores"]
+        if not restores:
+            return None
+        return max(time.time() - self._failures["since"], 0.0) / restores
 
     def _epoch_complete(self, ended=False):
         """Whether the current epoch's last step ran. `ended`: Keras ended
@@ -556,6 +578,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             names=names,
             variables=variables,
         )
+        state["failures"] = {**self._failures, "process": _PROCESS}
         if replica_state is not None:
             # Low-communication training: every replica's own copy of the
             # inner optimizer's state, after the model's tensors.
@@ -582,6 +605,20 @@ class ElasticCheckpoint(base.HeteroCallback):
             "step_in_epoch": self._step_in_epoch,
             "examples_in_epoch": self._examples_in_epoch,
         }
+
+
+# Tells a checkpoint of this process from one of a process before a restart.
+_PROCESS = secrets.token_hex(8)
+
+
+def _restarts(failures):
+    """The restart record after restoring a checkpoint whose record is
+    `failures` (None: a checkpoint older than the record)."""
+    failures = dict(failures or {"since": time.time(), "restores": 0})
+    restores = int(failures.get("restores", 0))
+    if failures.get("process") != _PROCESS:
+        restores += 1  # a new process: the job restarted
+    return {"since": float(failures["since"]), "restores": restores}
 
 
 def _check_directory(directory, write):

@@ -137,6 +137,8 @@ class Resumed:
         global_step: Train steps done across restarts.
         callback_states: The companion callbacks' states by checkpoint
             key, or None (none, or another number of replicas).
+        failures: The checkpoint's record of the job's restarts
+            (`ElasticCheckpoint.observed_mtbf`), or None.
     """
 
     first_pass: tuple
@@ -147,6 +149,7 @@ class Resumed:
     examples: int = 0
     global_step: int = 0
     callback_states: dict = None
+    failures: dict = None
 
 
 def restore(model, dataset, directory, kwargs, *, resize, checks):
@@ -253,6 +256,7 @@ def restore(model, dataset, directory, kwargs, *, resize, checks):
         examples=done,
         global_step=state["global_step"],
         callback_states=callback_states,
+        failures=state.get("failures"),
     )
 
 

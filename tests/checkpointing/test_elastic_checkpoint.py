@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -536,3 +537,49 @@ def test_telemetry_carries_stop_requests_in_the_summed_stats():
     assert carrier.step_stats().rows.tolist() == [3, 3]
     carrier.reset()
     assert requests_after_a_call() == 0
+
+
+def test_auto_interval_follows_the_observed_time_between_restarts(
+    tmp_path, monkeypatch
+):
+    from keras_hetero.checkpointing import callback as module
+
+    strategy = helpers.mirrored(DEVICES[:2])
+    first = kh.callbacks.ElasticCheckpoint(tmp_path, save_every=5, mtbf="1h")
+    model = _model(strategy, [], seed=1)
+    model.fit(_data(strategy), epochs=1, verbose=0, callbacks=[first])
+    assert first.observed_mtbf is None  # no restart yet
+    record = checkpointing.verify(tmp_path / "ckpt-0000000010")["failures"]
+    assert record["restores"] == 0
+    since = record["since"]
+
+    def restarted(age):
+        # A new process restores: the job restarted once more.
+        monkeypatch.setattr(module, "_PROCESS", f"after {age}")
+        callback = kh.callbacks.ElasticCheckpoint(tmp_path, mtbf="1h")
+        _model(strategy, [], seed=1).fit(
+            _data(strategy), epochs=2, verbose=0, callbacks=[callback]
+        )
+        return callback
+
+    second = restarted(1)
+    assert second.observed_mtbf == pytest.approx(time.time() - since, abs=5)
+    assert second._failures["restores"] == 1
+    # A checkpoint the same process wrote is not a restart; another is.
+    monkeypatch.setattr(module, "_PROCESS", "after 1")
+    same = kh.callbacks.ElasticCheckpoint(tmp_path)
+    _model(strategy, [], seed=1).fit(
+        _data(strategy), epochs=2, verbose=0, callbacks=[same]
+    )
+    assert same._failures["restores"] == 1
+    third = restarted(2)
+    assert third._failures == {"since": since, "restores": 2}
+    # Young/Daly from the shorter of the prior and the observed MTBF:
+    # restarts every ~30 s at a 0.02 s save cost give sqrt(2 * 0.02 * 30)
+    # = 1.1 s between saves, not the prior's sqrt(2 * 0.02 * 3600) = 12 s.
+    third._writer.cost, third._writer.write_seconds = 0.02, 0.01
+    third._failures = {"since": time.time() - 60.0, "restores": 2}
+    assert third.observed_mtbf == pytest.approx(30.0, abs=0.5)
+    assert third.interval == pytest.approx((2 * 0.02 * 30) ** 0.5, rel=0.02)
+    third._failures = {"since": time.time() - 36000.0, "restores": 1}
+    assert third.interval == pytest.approx((2 * 0.02 * 3600) ** 0.5)
