@@ -393,6 +393,27 @@ def cpu_replicas(strategy):
     return any(device_type(device) == "CPU" for device in devices)
 
 
+def sum_over_workers(strategy, value):
+    """The sum of every worker process's int `value`, everywhere.
+
+    One SUM all-reduce in which each worker's first local replica
+    contributes its process's value, under multi-worker strategies (every
+    worker must call it); elsewhere `value` as is.
+    """
+    if not is_multi_worker(strategy):
+        return int(value)
+    local = max(len(strategy.extended.worker_devices), 1)
+
+    def first_local_only():
+        context = tf.distribute.get_replica_context()
+        first = tf.equal(context.replica_id_in_sync_group % local, 0)
+        mine = tf.where(first, tf.constant(value, tf.int64), 0)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+    result = tf.function(lambda: strategy.run(first_local_only))()
+    return int(strategy.experimental_local_results(result)[0].numpy())
+
+
 def broadcast_from_first_replica(strategy, value):
     """The int `value` of the first global replica's process, everywhere.
 

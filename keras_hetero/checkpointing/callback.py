@@ -121,9 +121,22 @@ class ElasticCheckpoint(base.HeteroCallback):
             are trained twice and others not at all (later epochs see each
             example once), and random augmentation draws other numbers
             than the uninterrupted run. Defaults to `False` (refuse them).
+        local_directory: A directory on this machine's own disk where
+            every worker (not only the chief) also keeps its newest `keep`
+            saves. A restart restores from there when it holds the step the
+            job resumes at (the newest of either place, agreed between the
+            workers), so it needs neither the shared storage's bandwidth
+            nor, if that is gone, the shared storage; a local copy older
+            than `directory`'s newest is never used. With several workers
+            `save_every` must be a number of steps (every worker saves at
+            the same ones). A failed local write (a full disk) is logged,
+            naming the directory, and ends the local copies of that `fit`;
+            training and `directory` go on. Defaults to None.
 
     Raises:
-        ValueError: For an unwritable `directory`, a bad `save_every`,
+        ValueError: For an unwritable `directory` or `local_directory`
+            (`local_directory` under ParameterServerStrategy; with several
+            workers, a `save_every` that is not steps), a bad `save_every`,
             `mtbf` or `resize`, or `keep` < 1; and from `fit`, before the
             first step, if the examples of the `kh.data.HeteroDataset`
             have a stage a restart cannot reproduce (the message names each
@@ -162,6 +175,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         exit_on_signal=True,
         signals=(signal.SIGTERM, signal.SIGINT),
         approximate_resume=False,
+        local_directory=None,
     ):
         super().__init__()
         self.save_every = schedule.parse_save_every(save_every)
@@ -176,7 +190,13 @@ class ElasticCheckpoint(base.HeteroCallback):
         self.approximate_resume = bool(approximate_resume)
         self._checks = resume.ResumeChecks(self.approximate_resume)
         _check_directory(self.directory, write=_distribute.env_task().is_chief)
-        self._writer = writer.Writer(self.directory, keep)
+        self.local_directory = None
+        if local_directory is not None:
+            self.local_directory = os.fspath(local_directory)
+            _check_directory(
+                self.local_directory, write=True, name="local_directory"
+            )
+        self._writer = writer.Writer(self.directory, keep, self.local_directory)
         self._stop = preemption.SignalStop(self.signals)
         self.restored_from = None
         self.preempted = False
@@ -248,6 +268,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         """
         self._checks.random_layers(model)
         self._chief = _distribute.is_chief(model.distribute_strategy)
+        self._check_local_copies(model)
         self._reset_counters()
         resumed = resume.restore(
             model,
@@ -256,6 +277,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             kwargs,
             resize=self.resize,
             checks=self._checks,
+            local_directory=self.local_directory,
         )
         self._first_pass = resumed.first_pass
         _phases.mark(_phases.RESTORED)
@@ -296,6 +318,9 @@ class ElasticCheckpoint(base.HeteroCallback):
         if self._chief:
             os.makedirs(self.directory, exist_ok=True)
             storage.remove_partial(self.directory)
+        if self.local_directory is not None:
+            os.makedirs(self.local_directory, exist_ok=True)
+            storage.remove_partial(self.local_directory)
         self.preempted = False
         self._last_save_time = time.monotonic()
         self._stop.install()
@@ -349,7 +374,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             self.save_now()
             self.model.stop_training = True
             return
-        if self._chief and (self._save_pending or self.save_due()):
+        if self._saves_here and (self._save_pending or self.save_due()):
             self._save_pending = False
             self._save(wait=not self.async_save)
 
@@ -368,7 +393,7 @@ class ElasticCheckpoint(base.HeteroCallback):
                 "newest checkpoint, at an epoch's end."
             )
             return
-        if self._chief and self.save_due():
+        if self._saves_here and self.save_due():
             self._save_pending = True
 
     def _low_communication_batch_end(self, local):
@@ -400,7 +425,7 @@ class ElasticCheckpoint(base.HeteroCallback):
         local.maybe_synchronise(force=True)
         local.save_agreed = False
         replica_state = local.gather_replica_state()
-        if self._chief and write:
+        if self._saves_here and write:
             self._writer.join()
             self._save(wait=True, replica_state=replica_state)
 
@@ -414,7 +439,7 @@ class ElasticCheckpoint(base.HeteroCallback):
             return
         local.save_agreed = False
         replica_state = local.gather_replica_state()  # every worker
-        if self._chief:
+        if self._saves_here:
             self._writer.join()
             self._save(
                 wait=not self.async_save if wait is None else wait,
@@ -467,9 +492,10 @@ class ElasticCheckpoint(base.HeteroCallback):
     def save_now(self):
         """Saves the current step and waits until it is on disk (chief).
 
-        Waits for a save in flight first. Other workers do nothing.
+        Waits for a save in flight first. Other workers write their local
+        copy with `local_directory`, else do nothing.
         """
-        if self.is_chief and self.model is not None:
+        if self._saves_here and self.model is not None:
             self._writer.join()
             self._save(wait=True)
 
@@ -482,7 +508,11 @@ class ElasticCheckpoint(base.HeteroCallback):
             True if a save is due and none is in flight.
         """
         if self._writer.busy:
-            return False  # at most one save in flight
+            if not self._aligned:
+                return False  # at most one save in flight
+            # Every worker saves its local copy at the same steps: wait
+            # for the one in flight rather than skip.
+            self._writer.join()
         every = self.save_every
         if every.steps is not None:
             return self._since_save >= every.steps
@@ -512,6 +542,50 @@ class ElasticCheckpoint(base.HeteroCallback):
     def is_chief(self):
         """Whether this process writes the checkpoints (set by `fit`)."""
         return getattr(self, "_chief", True)
+
+    @property
+    def _saves_here(self):
+        """Whether this process saves: the chief, and with
+        `local_directory` every worker (its local copy)."""
+        return self.is_chief or self.local_directory is not None
+
+    @property
+    def _aligned(self):
+        """Whether every worker saves its local copy at the same steps
+        (`local_directory` with several workers)."""
+        return self.local_directory is not None and (
+            self.model is not None
+            and _distribute.is_multi_worker(self.model.distribute_strategy)
+        )
+
+    def _check_local_copies(self, model):
+        """Before the first step: local copies on several workers need
+        saves every worker makes at the same steps."""
+        if self.local_directory is None:
+            return
+        strategy = model.distribute_strategy
+        if _distribute.is_parameter_server(strategy):
+            raise ValueError(
+                "Invalid value for argument `local_directory`. Received: "
+                f"local_directory={self.local_directory!r} under "
+                "ParameterServerStrategy, where only the coordinator saves "
+                "(the variables live on the parameter servers). Expected "
+                "None: restore from `directory`."
+            )
+        if (
+            _distribute.is_multi_worker(strategy)
+            and self.save_every.steps is None
+            and resume.local_training(model) is None
+        ):
+            raise ValueError(
+                "Invalid value for argument `save_every`. Received: "
+                f"save_every={_text(self.save_every)!r} with local_directory="
+                f"{self.local_directory!r} and "
+                f"{_distribute.num_workers(strategy)} workers. Every worker "
+                "writes its local copy at the same steps, which a duration "
+                "or 'auto' (timed on the chief alone) does not give. "
+                "Expected a number of steps, e.g. save_every=100."
+            )
 
     @property
     def interval(self):
@@ -586,7 +660,9 @@ class ElasticCheckpoint(base.HeteroCallback):
             arrays += replica_state
         self._since_save = 0
         self._last_save_time = time.monotonic()
-        self._writer.save(self._global_step, arrays, state, wait, started)
+        self._writer.save(
+            self._global_step, arrays, state, wait, started, shared=self._chief
+        )
 
     @property
     def saves(self):
@@ -607,6 +683,10 @@ class ElasticCheckpoint(base.HeteroCallback):
         }
 
 
+def _text(every):
+    return "auto" if every.auto else f"{every.seconds:g}s"
+
+
 # Tells a checkpoint of this process from one of a process before a restart.
 _PROCESS = secrets.token_hex(8)
 
@@ -621,7 +701,7 @@ def _restarts(failures):
     return {"since": float(failures["since"]), "restores": restores}
 
 
-def _check_directory(directory, write):
+def _check_directory(directory, write, name="directory"):
     try:
         if write:
             os.makedirs(directory, exist_ok=True)
@@ -633,8 +713,8 @@ def _check_directory(directory, write):
             raise PermissionError("not readable")
     except OSError as error:
         raise ValueError(
-            "Invalid value for argument `directory`. Received: "
-            f"directory={directory!r}, which cannot be "
+            f"Invalid value for argument `{name}`. Received: "
+            f"{name}={directory!r}, which cannot be "
             f"{'written' if write else 'read'} ({error}). Expected a "
             "directory this process can create and write to."
         ) from None

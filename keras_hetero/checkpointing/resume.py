@@ -6,6 +6,7 @@ interrupted epoch continues (`Resumed`)."""
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
 
@@ -152,7 +153,9 @@ class Resumed:
     failures: dict = None
 
 
-def restore(model, dataset, directory, kwargs, *, resize, checks):
+def restore(
+    model, dataset, directory, kwargs, *, resize, checks, local_directory=None
+):
     """Loads the newest valid checkpoint of `directory` before `fit`.
 
     Args:
@@ -163,6 +166,7 @@ def restore(model, dataset, directory, kwargs, *, resize, checks):
         kwargs: `fit`'s keyword arguments (the initial step is set there).
         resize: `ElasticCheckpoint`'s `resize`.
         checks: The `ResumeChecks`.
+        local_directory: `ElasticCheckpoint`'s local copies, or None.
 
     Returns:
         A `Resumed`.
@@ -178,7 +182,7 @@ def restore(model, dataset, directory, kwargs, *, resize, checks):
         getattr(dataset, "next_pass", None),
         kwargs.get("initial_epoch", 0),
     )
-    found = storage.newest_valid(directory)
+    found = _newest(model, directory, local_directory)
     if found is None:
         return Resumed(first_pass, lambda: None)
     path, state = found
@@ -258,6 +262,85 @@ def restore(model, dataset, directory, kwargs, *, resize, checks):
         callback_states=callback_states,
         failures=state.get("failures"),
     )
+
+
+def _newest(model, directory, local_directory):
+    """`(path, state)` of the checkpoint to restore, or None.
+
+    Without local copies, the newest valid one in `directory`. With them,
+    the job resumes at the newest step of either place on the chief
+    (agreed with one collective), read by each worker from its local copy
+    if it holds that step, else from `directory`; if a worker has neither,
+    every worker resumes from `directory`'s newest. A local copy older than
+    `directory`'s newest is never used (a warning says so).
+
+    Raises:
+        ValueError: If some worker cannot read the agreed step and
+            `directory` holds no checkpoint (naming the step).
+    """
+    shared = storage.newest_valid(directory)
+    if local_directory is None:
+        return shared
+    local = storage.newest_valid(local_directory)
+    shared_step = -1 if shared is None else shared[1]["global_step"]
+    local_step = -1 if local is None else local[1]["global_step"]
+    if 0 <= local_step < shared_step:
+        logger.warning(
+            "ElasticCheckpoint: the local copy %s (step %d) is older than "
+            "%s (step %d): not used.",
+            local[0],
+            local_step,
+            shared[0],
+            shared_step,
+        )
+    strategy = model.distribute_strategy
+    step = _distribute.broadcast_from_first_replica(
+        strategy, max(shared_step, local_step)
+    )
+    mine = {shared_step: shared, local_step: local}.get(step)  # local first
+    if step >= 0 and mine is None:
+        mine = _find_step(step, local_directory, directory)
+    missing = _distribute.sum_over_workers(strategy, int(mine is None))
+    if step < 0:
+        return None
+    if not missing:
+        if mine is local:
+            logger.warning(
+                "ElasticCheckpoint: step %d from the local copy %s.",
+                step,
+                local[0],
+            )
+        return mine
+    if shared is None:
+        raise ValueError(
+            f"ElasticCheckpoint: the job resumes at step {step}, which "
+            f"{missing} worker(s) hold neither in local_directory nor in "
+            f"{directory}, and {directory} holds no checkpoint. Restore "
+            "the shared checkpoints (or start again with the worker(s) "
+            "whose local disks hold it)."
+        )
+    logger.warning(
+        "ElasticCheckpoint: %d worker(s) do not hold step %d; every worker "
+        "resumes from %s (step %d).",
+        missing,
+        step,
+        shared[0],
+        shared_step,
+    )
+    return shared
+
+
+def _find_step(step, *directories):
+    """`(path, state)` of step `step`'s valid checkpoint in the first of
+    `directories` that holds one, or None."""
+    for directory in directories:
+        path = os.path.join(directory, storage.checkpoint_name(step))
+        if os.path.isdir(path):
+            try:
+                return path, storage.verify(path)
+            except storage.CorruptCheckpointError:
+                continue
+    return None
 
 
 def _resumed_step(state, dataset, kwargs, done, new_batch):

@@ -1,10 +1,15 @@
 """Writing checkpoints: `Writer` writes one save at a time, on the training
 thread or on a background one, and keeps what each save cost."""
 
+import logging
+import os
+import shutil
 import threading
 import time
 
 from keras_hetero.checkpointing import storage
+
+logger = logging.getLogger("keras_hetero")
 
 
 class Writer:
@@ -18,10 +23,16 @@ class Writer:
     Args:
         directory: Where the checkpoints go (`kh.checkpointing` layout).
         keep: Checkpoints kept.
+        local_directory: A second copy of each save on this machine's own
+            disk (written first), or None. A failed local write (a full
+            disk) is logged, naming the directory, and ends the local
+            copies of this `Writer`; the shared ones go on.
     """
 
-    def __init__(self, directory, keep):
+    def __init__(self, directory, keep, local_directory=None):
         self.directory, self.keep = directory, keep
+        self.local_directory = local_directory
+        self.local_failed = None  # why the local copies stopped
         self._thread = None
         self._error = None
         self._lock = threading.Lock()
@@ -38,7 +49,7 @@ class Writer:
         """Whether a background write is in flight."""
         return self._thread is not None and self._thread.is_alive()
 
-    def save(self, step, arrays, state, wait, started):
+    def save(self, step, arrays, state, wait, started, shared=True):
         """Writes `arrays` and `state` as step `step`'s checkpoint.
 
         Args:
@@ -48,15 +59,19 @@ class Writer:
             wait: Write on this thread (else on a background one).
             started: `time.perf_counter()` when the save began (the copy
                 counts in its cost).
+            shared: Write to `directory` too (the chief), not only the
+                local copy. Defaults to `True`.
         """
         with self._lock:
             self._saves[step] = [None, None]
 
         def write():
             write_started = time.perf_counter()
+            self._write_local(step, arrays, state)
             try:
-                storage.write(self.directory, step, arrays, state)
-                storage.prune(self.directory, self.keep)
+                if shared:
+                    storage.write(self.directory, step, arrays, state)
+                    storage.prune(self.directory, self.keep)
             except BaseException as error:  # surfaced on the main thread
                 with self._lock:
                     self._error = error
@@ -80,6 +95,34 @@ class Writer:
             self.cost = _ema(self.cost, blocking)
             if step in self._saves:
                 self._saves[step][0] = blocking
+
+    def _write_local(self, step, arrays, state):
+        if self.local_directory is None or self.local_failed is not None:
+            return
+        try:
+            storage.write(self.local_directory, step, arrays, state)
+            storage.prune(self.local_directory, self.keep)
+        except OSError as error:
+            storage.remove_partial(self.local_directory)
+            try:
+                free = f"{shutil.disk_usage(self.local_directory).free:,}"
+            except OSError:
+                free = "unknown"
+            size = sum(a.nbytes for a in arrays)
+            self.local_failed = str(error)
+            logger.error(
+                "ElasticCheckpoint: cannot write the local copy of step %d "
+                "to local_directory=%r (%s; a copy needs about %s bytes, "
+                "%s are free there). No more local copies in this fit: "
+                "the checkpoints in %s go on, and a restart restores from "
+                "them.",
+                step,
+                os.fspath(self.local_directory),
+                error.strerror or error,
+                f"{size:,}",
+                free,
+                self.directory,
+            )
 
     @property
     def saves(self):

@@ -583,3 +583,137 @@ def test_auto_interval_follows_the_observed_time_between_restarts(
     assert third.interval == pytest.approx((2 * 0.02 * 30) ** 0.5, rel=0.02)
     third._failures = {"since": time.time() - 36000.0, "restores": 1}
     assert third.interval == pytest.approx((2 * 0.02 * 3600) ** 0.5)
+
+
+def _fit_with(strategy, callback, seed, stop=None, initial=None):
+    seen = []
+    model = _model(strategy, seen, seed=seed)
+    if initial is not None:
+        model.set_weights(initial)
+    model.fit(
+        _data(strategy),
+        epochs=2,
+        verbose=0,
+        callbacks=[callback] + ([StopAfter(stop)] if stop else []),
+    )
+    return model, seen
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_local_copy_restores_with_the_shared_directory_gone(
+    tmp_path, caplog, async_save
+):
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    first = kh.callbacks.ElasticCheckpoint(
+        shared, save_every=3, async_save=async_save, local_directory=local
+    )
+    _, before = _fit_with(strategy, first, 1, stop=7, initial=initial)
+    # Both places hold the same saves (steps 3, 6 and the stop's 7; async
+    # skips 6 if 3 is still being written).
+    names = checkpointing.list_checkpoints(shared)
+    assert names[-1] == "ckpt-0000000007" and names[0] == "ckpt-0000000003"
+    assert checkpointing.list_checkpoints(local) == names
+    shutil.rmtree(shared)  # the shared storage is gone
+    resumed = kh.callbacks.ElasticCheckpoint(
+        shared, save_every=3, local_directory=local
+    )
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        model, after = _fit_with(strategy, resumed, 99)
+    assert resumed.restored_from == str(local / "ckpt-0000000007")
+    assert "step 7 from the local copy" in caplog.text
+    assert sorted(before + after[: ROWS - len(before)]) == list(range(ROWS))
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_a_stale_local_copy_is_never_used(tmp_path, caplog):
+    strategy = helpers.mirrored(DEVICES[:2])
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    first = kh.callbacks.ElasticCheckpoint(
+        shared, save_every=2, local_directory=local
+    )
+    _fit_with(strategy, first, 1, stop=4, initial=initial)
+    # A run without local copies moves the shared checkpoints on to step 9
+    # (e.g. on another machine): the local copy (step 4) is stale.
+    second = kh.callbacks.ElasticCheckpoint(shared, save_every=5)
+    _fit_with(strategy, second, 2, stop=5)
+    assert checkpointing.read_latest(shared) == "ckpt-0000000009"
+    third = kh.callbacks.ElasticCheckpoint(
+        shared, save_every=2, local_directory=local
+    )
+    with caplog.at_level(logging.WARNING, logger="keras_hetero"):
+        model, _ = _fit_with(strategy, third, 3)
+    assert third.restored_from == str(shared / "ckpt-0000000009")
+    assert "ckpt-0000000004 (step 4) is older than" in caplog.text
+    assert "not used" in caplog.text
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_a_full_local_disk_is_named_and_training_goes_on(
+    tmp_path, caplog, monkeypatch
+):
+    import errno
+
+    strategy = helpers.mirrored(DEVICES[:2])
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    real_write = storage.write
+
+    def write(directory, step, arrays, state):
+        if str(directory) == str(local) and step >= 4:
+            # As a full disk does: the copy fails part-way.
+            os.makedirs(os.path.join(directory, ".tmp-ckpt-partial"))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(directory, step, arrays, state)
+
+    monkeypatch.setattr(storage, "write", write)
+    callback = kh.callbacks.ElasticCheckpoint(
+        shared, save_every=2, local_directory=local
+    )
+    with caplog.at_level(logging.ERROR, logger="keras_hetero"):
+        _fit_with(strategy, callback, 1)
+    assert checkpointing.list_checkpoints(local) == ["ckpt-0000000002"]
+    assert not [n for n in os.listdir(local) if n.startswith(".tmp")]
+    assert checkpointing.read_latest(shared) == "ckpt-0000000020"
+    assert f"local_directory={str(local)!r}" in caplog.text
+    assert "No space left on device" in caplog.text
+    assert caplog.text.count("cannot write the local copy") == 1
+
+
+def test_local_directory_errors_name_the_value(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="local_directory=.*cannot be written"):
+        kh.callbacks.ElasticCheckpoint(
+            tmp_path / "shared", local_directory=blocker / "sub"
+        )
+
+
+def test_local_copies_on_several_workers_need_saves_every_n_steps(
+    tmp_path, monkeypatch
+):
+    # Two workers stand in for MultiWorkerMirrored here (the real two-worker
+    # case is in test_elastic_processes.py): a timed interval, decided on the
+    # chief alone, would give each worker's copies other steps.
+    from keras_hetero import _distribute
+
+    strategy = helpers.mirrored(DEVICES[:2])
+    model = _model(strategy, [], seed=1)
+    monkeypatch.setattr(_distribute, "is_multi_worker", lambda s: True)
+    monkeypatch.setattr(_distribute, "num_workers", lambda s: 2)
+    for every in ("auto", "30s"):
+        callback = kh.callbacks.ElasticCheckpoint(
+            tmp_path / "shared",
+            save_every=every,
+            local_directory=tmp_path / "local",
+        )
+        with pytest.raises(
+            ValueError, match=f"save_every='{every}'.*2 workers.*steps"
+        ):
+            model.fit(_data(strategy), verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 0

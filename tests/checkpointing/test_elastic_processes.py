@@ -812,3 +812,35 @@ def test_low_communication_killed_mid_round_resumes_exactly(tmp_path):
     boundaries = {0, 3, 6, 9, 10, 13, 16, 19, 20, 23, 26, 29, 30}
     assert set(restored[1:]) <= boundaries, restored
     _assert_as_uninterrupted(tmp_path, kind, faults, low, out, committed)
+
+
+@pytest.mark.slow
+@pytest.mark.both_flavours
+def test_killed_worker_resumes_from_local_copies_without_shared_storage(
+    tmp_path,
+):
+    # 2 MWMS workers, each with its own local_directory; worker 1 is killed
+    # at step 7 and the restarted job gets an empty shared directory (the
+    # shared storage lost): both workers restore step 6 from their local
+    # copies, agreed between them.
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    local = str(tmp_path / "local-{worker}")
+    result, log = _launch(
+        out,
+        ckpt,
+        2,
+        ["--fault-at", "7", "--save-every", "2", "--sync-save"]
+        + ["--local-dir", local, "--ckpt-after-restart", ckpt + "-lost"],
+        max_restarts=1,
+    )
+    assert result.exit_code == 0, log[-4000:]
+    assert len(result.attempts) == 2, log[-4000:]
+    assert log.count("step 6 from the local copy") == 2, log[-4000:]
+    for worker in (0, 1):
+        names = checkpointing.list_checkpoints(local.format(worker=worker))
+        assert names[-1] == "ckpt-0000000020", names
+    assert _restored_step(out) == 6
+    _assert_exactly_once(_committed(out, 6))
+    initial = _load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = _load(os.path.join(out, "attempt1-worker0-final.npz"))
+    helpers.assert_weights_close(final, _reference(initial))

@@ -86,6 +86,17 @@ def main():
         help="low-communication training (kh.LowCommunication), inner "
         "SGD with momentum 0.9",
     )
+    parser.add_argument(
+        "--local-dir",
+        default=None,
+        help="ElasticCheckpoint(local_directory=...); {worker} is the task",
+    )
+    parser.add_argument(
+        "--ckpt-after-restart",
+        default=None,
+        help="the shared directory from attempt 1 on (an empty one: the "
+        "shared storage lost)",
+    )
     args = parser.parse_args()
     faults = [int(step) for step in args.fault_at.split(",") if step]
     multi_worker = "TF_CONFIG" in os.environ
@@ -173,11 +184,13 @@ def main():
     save_every = args.save_every
     save_every = int(save_every) if save_every.isdigit() else save_every
     ckpt = kh.callbacks.ElasticCheckpoint(
-        args.ckpt,
+        args.ckpt_after_restart if restart and args.ckpt_after_restart
+        else args.ckpt,
         save_every=save_every,
         async_save=not args.sync_save,
         resize=args.resize,
-    )
+        local_directory=args.local_dir and args.local_dir.format(worker=task),
+    )  # fmt: skip
     # The ledger first: a step is in it before a checkpoint holds it.
     callbacks = [ledger, ckpt, Fault()]
     detector = None
