@@ -585,6 +585,14 @@ def test_auto_interval_follows_the_observed_time_between_restarts(
     assert third.interval == pytest.approx((2 * 0.02 * 3600) ** 0.5)
 
 
+def _uninterrupted(strategy):
+    """`(initial weights, final weights)` of 2 epochs without a stop."""
+    reference = _model(strategy, [], seed=1)
+    initial = reference.get_weights()
+    reference.fit(_data(strategy), epochs=2, verbose=0)
+    return initial, reference.get_weights()
+
+
 def _fit_with(strategy, callback, seed, stop=None, initial=None):
     seen = []
     model = _model(strategy, seen, seed=seed)
@@ -604,9 +612,7 @@ def test_local_copy_restores_with_the_shared_directory_gone(
     tmp_path, caplog, async_save
 ):
     strategy = helpers.mirrored(DEVICES[:2])
-    reference = _model(strategy, [], seed=1)
-    initial = reference.get_weights()
-    reference.fit(_data(strategy), epochs=2, verbose=0)
+    initial, reference = _uninterrupted(strategy)
     shared, local = tmp_path / "shared", tmp_path / "local"
     first = kh.callbacks.ElasticCheckpoint(
         shared, save_every=3, async_save=async_save, local_directory=local
@@ -626,14 +632,12 @@ def test_local_copy_restores_with_the_shared_directory_gone(
     assert resumed.restored_from == str(local / "ckpt-0000000007")
     assert "step 7 from the local copy" in caplog.text
     assert sorted(before + after[: ROWS - len(before)]) == list(range(ROWS))
-    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    helpers.assert_weights_close(model.get_weights(), reference)
 
 
 def test_a_stale_local_copy_is_never_used(tmp_path, caplog):
     strategy = helpers.mirrored(DEVICES[:2])
-    reference = _model(strategy, [], seed=1)
-    initial = reference.get_weights()
-    reference.fit(_data(strategy), epochs=2, verbose=0)
+    initial, reference = _uninterrupted(strategy)
     shared, local = tmp_path / "shared", tmp_path / "local"
     first = kh.callbacks.ElasticCheckpoint(
         shared, save_every=2, local_directory=local
@@ -652,7 +656,7 @@ def test_a_stale_local_copy_is_never_used(tmp_path, caplog):
     assert third.restored_from == str(shared / "ckpt-0000000009")
     assert "ckpt-0000000004 (step 4) is older than" in caplog.text
     assert "not used" in caplog.text
-    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+    helpers.assert_weights_close(model.get_weights(), reference)
 
 
 def test_a_full_local_disk_is_named_and_training_goes_on(

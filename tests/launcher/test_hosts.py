@@ -623,6 +623,41 @@ def _wait_until(condition, what, hosts_, seconds=180):
         time.sleep(0.1)
 
 
+def _slow_second_attempt(out, ckpt, epochs):
+    """host_train.py's arguments for a kill-and-readmit run: 0.3 s per
+    step, 1 s per step in attempt 1 (so a host comes back while it
+    trains)."""
+    script = _train_args(
+        out,
+        ckpt,
+        "--epochs",
+        str(epochs),
+        "--slow-attempt",
+        "1",
+        "--slow-step-seconds",
+        "1.0",
+    )
+    script[script.index("--step-seconds") + 1] = "0.3"
+    return script
+
+
+def _assert_three_attempts_like_one_device(out, epochs):
+    """Three attempts, each resuming later, trained every example once per
+    epoch and ended with one device's weights on the same global batches;
+    returns the steps each attempt resumed from."""
+    committed, restored = elastic._committed_attempts(out)
+    assert len(restored) == 3 and restored[1] < restored[2], restored
+    elastic._assert_exactly_once(committed, epochs=epochs)
+    initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))
+    final = elastic._load(os.path.join(out, "attempt2-worker0-final.npz"))
+    weights, steps = elastic._one_device_run(
+        initial, elastic._reference_data("plain", None, None), epochs
+    )
+    elastic._assert_same_batches(committed, steps)
+    elastic.helpers.assert_weights_close(final, weights)
+    return restored
+
+
 def _rounds(text):
     """`[(workers, host ranks)]` of each attempt the rendezvous started."""
     return [
@@ -690,17 +725,7 @@ def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
     # host 1 comes back while it trains.
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     epochs = 3
-    script = _train_args(
-        out,
-        ckpt,
-        "--epochs",
-        str(epochs),
-        "--slow-attempt",
-        "1",
-        "--slow-step-seconds",
-        "1.0",
-    )
-    script[script.index("--step-seconds") + 1] = "0.3"
+    script = _slow_second_attempt(out, ckpt, epochs)
     flags = [
         "--workers-per-host",
         "auto",
@@ -739,16 +764,7 @@ def test_killed_host_group_continues_at_min_then_readmits_it(tmp_path):
         rank0_log
     )
     assert _rounds(rank0_log) == [(4, [0, 1, 2]), (2, [0, 2]), (4, [0, 1, 2])]
-    committed, restored = elastic._committed_attempts(out)
-    assert len(restored) == 3 and restored[1] < restored[2], restored
-    elastic._assert_exactly_once(committed, epochs=epochs)
-    initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))
-    final = elastic._load(os.path.join(out, "attempt2-worker0-final.npz"))
-    weights, steps = elastic._one_device_run(
-        initial, elastic._reference_data("plain", None, None), epochs
-    )
-    elastic._assert_same_batches(committed, steps)
-    elastic.helpers.assert_weights_close(final, weights)
+    restored = _assert_three_attempts_like_one_device(out, epochs)
     print(
         f"3 hosts (1 + 2 + 1 workers), 2:3: host 1 killed after step "
         f"{restored[1]} ({killed_at - started:.1f}s in), attempt 1 on 2 "
@@ -769,17 +785,7 @@ def test_etcd_rendezvous_survives_its_host_killed_and_readmits_it(tmp_path):
     # a plain member.
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     epochs = 2
-    script = _train_args(
-        out,
-        ckpt,
-        "--epochs",
-        str(epochs),
-        "--slow-attempt",
-        "1",
-        "--slow-step-seconds",
-        "1.0",
-    )
-    script[script.index("--step-seconds") + 1] = "0.3"
+    script = _slow_second_attempt(out, ckpt, epochs)
     flags = ["--rdzv-timeout", "120", "--rdzv-last-call", "1"]
     started = time.monotonic()
     with kh.testing.NetworkHosts(2) as net:
@@ -817,16 +823,7 @@ def test_etcd_rendezvous_survives_its_host_killed_and_readmits_it(tmp_path):
         rank1_log
     )
     assert _rounds(rank1_log) == [(1, [1]), (2, [0, 1])], rank1_log
-    committed, restored = elastic._committed_attempts(out)
-    assert len(restored) == 3 and restored[1] < restored[2], restored
-    elastic._assert_exactly_once(committed, epochs=epochs)
-    initial = elastic._load(os.path.join(out, "attempt0-worker0-initial.npz"))
-    final = elastic._load(os.path.join(out, "attempt2-worker0-final.npz"))
-    weights, steps = elastic._one_device_run(
-        initial, elastic._reference_data("plain", None, None), epochs
-    )
-    elastic._assert_same_batches(committed, steps)
-    elastic.helpers.assert_weights_close(final, weights)
+    restored = _assert_three_attempts_like_one_device(out, epochs)
     print(
         f"etcd rendezvous: serving host 0 killed after step {restored[1]}, "
         f"host 1 took the role and attempt 1 trained {took_over:.1f}s after "
