@@ -384,7 +384,11 @@ def _soak(job, args, rng):
         f.write(str(stop))
     os.replace(job.stop_file + ".tmp", job.stop_file)
     stop_by = time.monotonic() + SLACK_SECONDS
-    while any(launcher.poll() is None for launcher in job.launchers.values()):
+    # With etcd every launcher learns the end (a late one from etcd); with
+    # the default backend rank 0's ends the job, and a rank 1 started after
+    # that finds no rendezvous (the soak kills it).
+    waited = [r for r in job.launchers if args.etcd or r == 0]
+    while any(job.launchers[r].poll() is None for r in waited):
         # A job whose every attempt dies at its start fails here, not
         # after the slack.
         _check_not_crash_looping(job, kills)
@@ -392,7 +396,8 @@ def _soak(job, args, rng):
             raise RuntimeError("The job did not stop:\n" + job.tail())
         time.sleep(0.5)
     wall = time.monotonic() - started
-    for rank, launcher in job.launchers.items():
+    for rank in waited:
+        launcher = job.launchers[rank]
         if launcher.returncode != 0:
             raise RuntimeError(
                 f"Rank {rank}'s launcher exited {launcher.returncode}:\n"
