@@ -153,7 +153,8 @@ def _add_hosts_arguments(several):
         "--node-rank",
         type=int,
         default=None,
-        help="this host's rank in [0, MAX); rank 0 serves the rendezvous",
+        help="this host's rank in [0, MAX); rank 0 serves the rendezvous "
+        "(not with --rdzv-backend etcd)",
     )
     several.add_argument(
         "--rdzv-endpoint",

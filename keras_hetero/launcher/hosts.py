@@ -75,8 +75,9 @@ def launch_host(
         command: The worker command, e.g. `[sys.executable, "train.py"]`.
         nnodes: Hosts in the job: `N`, or `"MIN:MAX"` for a group that
             continues with as few as MIN hosts and takes up to MAX.
-        node_rank: This host's rank, in `[0, MAX)`. Rank 0 serves the
-            rendezvous and is needed for the whole job.
+        node_rank: This host's rank, in `[0, MAX)`. With the default
+            backend rank 0 serves the rendezvous and is needed for the
+            whole job (not with `rdzv_backend="etcd"`).
         rdzv_endpoint: `"HOST:PORT"` of the rendezvous: an address of rank
             0's host that every host can reach.
         rdzv_token: The shared secret, the same on every host. Defaults to
