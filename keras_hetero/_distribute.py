@@ -400,18 +400,12 @@ def sum_over_workers(strategy, value):
     contributes its process's value, under multi-worker strategies (every
     worker must call it); elsewhere `value` as is.
     """
-    if not is_multi_worker(strategy):
-        return int(value)
-    local = max(len(strategy.extended.worker_devices), 1)
 
-    def first_local_only():
-        context = tf.distribute.get_replica_context()
-        first = tf.equal(context.replica_id_in_sync_group % local, 0)
-        mine = tf.where(first, tf.constant(value, tf.int64), 0)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+    def first_local(replica):
+        local = max(len(strategy.extended.worker_devices), 1)
+        return tf.equal(replica % local, 0)
 
-    result = tf.function(lambda: strategy.run(first_local_only))()
-    return int(strategy.experimental_local_results(result)[0].numpy())
+    return _sum_where(strategy, value, first_local)
 
 
 def broadcast_from_first_replica(strategy, value):
@@ -421,14 +415,24 @@ def broadcast_from_first_replica(strategy, value):
     multi-worker strategies (every worker must call it); elsewhere there is
     one process and `value` is returned as is.
     """
+    return _sum_where(strategy, value, lambda replica: tf.equal(replica, 0))
+
+
+def _sum_where(strategy, value, contributes):
+    """The SUM all-reduce of `value` over the global replicas for which
+    `contributes(replica id)` holds (0 from the others); `value` itself
+    outside multi-worker strategies."""
     if not is_multi_worker(strategy):
         return int(value)
 
-    def first_only():
+    def some_replicas():
         context = tf.distribute.get_replica_context()
-        is_first = tf.equal(context.replica_id_in_sync_group, 0)
-        mine = tf.where(is_first, tf.constant(value, tf.int64), 0)
+        mine = tf.where(
+            contributes(context.replica_id_in_sync_group),
+            tf.constant(value, tf.int64),
+            tf.constant(0, tf.int64),
+        )
         return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
 
-    result = tf.function(lambda: strategy.run(first_only))()
+    result = tf.function(lambda: strategy.run(some_replicas))()
     return int(strategy.experimental_local_results(result)[0].numpy())

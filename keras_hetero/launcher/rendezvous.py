@@ -562,21 +562,16 @@ class RendezvousServer:
         deadline = time.monotonic() + wait
         while self._state != "done" and time.monotonic() < deadline:
             time.sleep(0.05)
+        self.abandon(wait)
+
+    def abandon(self, wait=5.0):
+        """Stops serving without ending the job (this host leaves an etcd
+        rendezvous): the hosts lose their connections and find the next
+        server. `close` ends the job first, then does this."""
         self._closed = True
         for thread in self._threads:
             thread.join(wait)
         self._listener.close(wait)
-        for host in self._hosts.values():
-            host.channel.close()
-
-    def abandon(self):
-        """Stops serving without ending the job (this host leaves an etcd
-        rendezvous): the hosts lose their connections and find the next
-        server."""
-        self._closed = True
-        for thread in self._threads:
-            thread.join(5.0)
-        self._listener.close(5.0)
         for host in list(self._hosts.values()):
             host.channel.close()
 
